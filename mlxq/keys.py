@@ -1,0 +1,55 @@
+"""Redis key names and the defaults every part of mlxq agrees on.
+
+Jobs themselves live under RQ's own keys (``rq:job:<id>``, ``rq:queue:<name>``,
+``rq:results:<id>``); mlxq adds only the batch records below.
+"""
+
+from __future__ import annotations
+
+import os
+
+PREFIX = "mlxq"
+
+# The function name every mlxq RQ job carries; a worker refuses any other.
+JOB_FUNC = "mlxq.jobs.generate"
+
+DEFAULT_QUEUE = "default"
+# Results are kept for a week: batch users collect them hours or days later,
+# not within RQ's 500 s default.
+DEFAULT_RESULT_TTL = 7 * 24 * 3600
+# Failed jobs are kept as long as results so `mlxq results` can report them.
+DEFAULT_FAILURE_TTL = DEFAULT_RESULT_TTL
+# Wall-clock limit of one generation job (RQ's job timeout), in seconds.
+DEFAULT_JOB_TIMEOUT = 3600
+# Batch records outlive their results a little, so a late `mlxq results` still lists them.
+BATCH_TTL = DEFAULT_RESULT_TTL + 24 * 3600
+
+ENV_REDIS_URL = "MLXQ_REDIS_URL"
+
+
+def redis_url_from_env() -> str | None:
+    """The Redis URL configured in the environment, or None for the embedded server."""
+    return os.environ.get(ENV_REDIS_URL) or None
+
+
+def batch_info(batch_id: str) -> str:
+    """JSON ``BatchInfo`` of one batch (a string key)."""
+    return f"{PREFIX}:batch:{batch_id}"
+
+
+def batch_jobs(batch_id: str) -> str:
+    """List of the batch's RQ job ids, in input order."""
+    return f"{PREFIX}:batch:{batch_id}:jobs"
+
+
+def batches() -> str:
+    """Sorted set of batch ids scored by creation time."""
+    return f"{PREFIX}:batches"
+
+
+def queue_name_for_model(model: str | None) -> str:
+    """The default queue of a model: its last path component, or ``default``."""
+    if not model:
+        return DEFAULT_QUEUE
+    name = model.rstrip("/").rsplit("/", 1)[-1]
+    return name or DEFAULT_QUEUE
