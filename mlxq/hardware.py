@@ -1,0 +1,53 @@
+"""What machine the worker runs on: device, memory, and how much of it KV caches may use.
+
+Called once on the MLX thread at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import msgspec
+
+
+class DeviceFacts(msgspec.Struct):
+    """The accelerator (or CPU) MLX runs on and its memory."""
+
+    backend: str  # "metal", "cuda" or "cpu"
+    name: str
+    memory_bytes: int
+    recommended_bytes: int  # what MLX suggests keeping the working set under
+    host: str
+    os: str
+
+
+def system_memory() -> int:
+    """Physical memory of this machine in bytes."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30
+
+
+def device_facts() -> DeviceFacts:
+    """Read the device MLX uses and its memory."""
+    import mlx.core as mx
+
+    info = dict(mx.device_info()) if hasattr(mx, "device_info") else {}
+    if mx.metal.is_available():
+        backend = "metal"
+    elif hasattr(mx, "cuda") and mx.cuda.is_available():
+        backend = "cuda"
+    else:
+        backend = "cpu"
+    memory = int(info.get("memory_size") or info.get("total_memory") or system_memory())
+    recommended = int(info.get("max_recommended_working_set_size") or memory)
+    return DeviceFacts(
+        backend=backend,
+        name=str(info.get("device_name") or info.get("architecture") or platform.processor()),
+        memory_bytes=memory,
+        recommended_bytes=min(recommended, memory),
+        host=platform.node(),
+        os=f"{platform.system()} {platform.release()}",
+    )

@@ -1,0 +1,103 @@
+"""Wiring a worker together: profile → engine on the MLX thread → scheduler → RQ worker."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import redis
+
+from mlxq import keys
+from mlxq.engine import Engine
+from mlxq.hardware import device_facts
+from mlxq.profile import WorkerProfile
+from mlxq.runner import Runner
+from mlxq.scheduler import MAX_AUTO_BATCH, Scheduler, auto_max_batch, memory_budget
+from mlxq.worker import MlxqWorker
+
+log = logging.getLogger("mlxq.worker")
+
+
+def worker_queues(profile: WorkerProfile) -> list[str]:
+    """The profile's queues, or the model's own queue and ``default``."""
+    if profile.queues:
+        return list(profile.queues)
+    own = keys.queue_name_for_model(profile.model)
+    return [own] if own == keys.DEFAULT_QUEUE else [own, keys.DEFAULT_QUEUE]
+
+
+def make_runner(profile: WorkerProfile) -> Runner:
+    """A Runner whose thread loads ``profile.model`` and sizes its scheduler from memory."""
+    if not profile.model:
+        raise ValueError("no model: pass --model (a local folder or a hub id) or a --profile")
+    model = profile.model
+
+    def make_engine() -> Engine:
+        engine = Engine(
+            model,
+            max_batch=profile.max_batch or MAX_AUTO_BATCH,
+            prefill_batch=profile.prefill_batch,
+            prefill_step=profile.prefill_step,
+            adapter_path=profile.adapter_path,
+        )
+        engine.warmup()
+        return engine
+
+    def make_scheduler(engine: Engine) -> Scheduler:
+        return build_scheduler(engine, profile)
+
+    return Runner(make_engine, make_scheduler)
+
+
+def build_scheduler(engine: Engine, profile: WorkerProfile) -> Scheduler:
+    """Size the batch and KV budget from the device's memory and the model's shape."""
+    info = engine.info
+    facts = device_facts()
+    budget = memory_budget(facts.recommended_bytes, info.param_bytes, profile.memory_fraction)
+    max_batch = profile.max_batch or auto_max_batch(budget, info.kv_bytes_per_token)
+    log.info(
+        "device: %s %s on %s (%s), %.1f GiB memory, KV budget %.1f GiB",
+        facts.backend, facts.name, facts.host, facts.os, facts.memory_bytes / 2**30, budget / 2**30,
+    )
+    log.info(
+        "model: %s (%s, %d layers, hidden %d, %d KV heads x %d, vocab %d, context %d, %s), "
+        "%.2f GiB weights, %d KiB KV per token; batch up to %d",
+        info.name, info.model_type, info.num_layers, info.hidden_size, info.num_kv_heads,
+        info.head_dim, info.vocab_size, info.context_length, info.dtype,
+        info.param_bytes / 2**30, info.kv_bytes_per_token // 1024, max_batch,
+    )
+    return Scheduler(
+        max_batch=max_batch,
+        kv_bytes_per_token=info.kv_bytes_per_token,
+        budget_bytes=budget,
+        context_length=info.context_length,
+        prefetch=profile.prefill_batch,
+    )
+
+
+def run_worker(
+    profile: WorkerProfile,
+    conn: redis.Redis,
+    *,
+    burst: bool = False,
+    queues: list[str] | None = None,
+    on_finish: Callable[[int], None] | None = None,
+) -> MlxqWorker:
+    """Load the model, then serve ``queues`` until stopped (or empty, with ``burst``)."""
+    runner = make_runner(profile)
+    runner.start()
+    worker = MlxqWorker(
+        queues or worker_queues(profile),
+        connection=conn,
+        runner=runner,
+        model_name=profile.model or "",
+        name=profile.name,
+        heartbeat_interval=profile.heartbeat_interval,
+        grace_period=profile.grace_period,
+    )
+    worker.on_finish = on_finish
+    try:
+        worker.work(burst=burst)
+    finally:
+        runner.stop()
+    return worker

@@ -1,0 +1,59 @@
+"""Worker profiles: one TOML file per kind of machine (``workers/NAME.toml``).
+
+A profile names the model, queues and limits a worker runs with; command-line flags
+override it. Unknown keys are errors, so a typo does not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+
+class WorkerProfile(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Settings of one worker; None means "decide automatically"."""
+
+    model: str | None = None
+    queues: list[str] = []
+    adapter_path: str | None = None
+    max_batch: Annotated[int, Meta(ge=1, le=4096)] | None = None
+    prefill_batch: Annotated[int, Meta(ge=1, le=512)] = 8
+    prefill_step: Annotated[int, Meta(ge=16, le=65536)] = 2048
+    memory_fraction: Annotated[float, Meta(gt=0.0, le=0.95)] = 0.75
+    heartbeat_interval: Annotated[int, Meta(ge=1, le=600)] = 15
+    grace_period: Annotated[float, Meta(ge=0.0)] = 60.0
+    name: str | None = None
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message names the file and the key."""
+
+
+def load_profile(path: str | Path) -> WorkerProfile:
+    """Read and validate a worker profile TOML file."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise ProfileError(f"{path}: no such profile (see workers/ for examples)") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ProfileError(f"{path}: not valid TOML: {e}") from e
+    try:
+        return msgspec.convert(data, WorkerProfile)
+    except msgspec.ValidationError as e:
+        raise ProfileError(f"{path}: {e}") from e
+
+
+def merge(profile: WorkerProfile, overrides: dict[str, Any]) -> WorkerProfile:
+    """The profile with every override that is not None (or empty) applied."""
+    given = {k: v for k, v in overrides.items() if v is not None and v != () and v != []}
+    if "queues" in given:
+        given["queues"] = list(given["queues"])
+    try:
+        return msgspec.structs.replace(profile, **given)
+    except TypeError as e:
+        raise ProfileError(f"unknown worker setting: {e}") from e

@@ -1,0 +1,168 @@
+"""The MLX thread: owns the Engine and runs its decode loop; other threads hand it work.
+
+MLX state (model, KV caches, streams) is touched only by this thread. The worker's
+Redis thread submits ``Work`` and cancels through a queue and collects ``Completion``s
+from another, so Redis round trips never stall a decode step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mlxq.engine import Completion, Engine, EngineJob
+from mlxq.scheduler import Scheduler
+from mlxq.types import ModelInfo
+
+log = logging.getLogger("mlxq.runner")
+
+# How long the idle MLX thread sleeps on its inbox before checking for stop.
+IDLE_WAIT_S = 0.1
+
+
+@dataclass
+class Work:
+    """A job handed to the MLX thread, already tokenized by the caller."""
+
+    job: EngineJob
+    tokens: list[int]
+
+
+@dataclass
+class _Cancel:
+    key: str
+
+
+class Runner:
+    """Runs an Engine on its own thread with scheduler-driven admission."""
+
+    def __init__(
+        self,
+        make_engine: Callable[[], Engine],
+        make_scheduler: Callable[[Engine], Scheduler],
+    ) -> None:
+        self._make_engine = make_engine
+        self._make_scheduler = make_scheduler
+        self._inbox: queue.SimpleQueue[Work | _Cancel | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[Completion] = queue.SimpleQueue()
+        self._pending: deque[Work] = deque()
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="mlxq-mlx", daemon=True)
+        self.engine: Engine | None = None
+        self.scheduler: Scheduler | None = None
+
+    # -- called from other threads -------------------------------------------------
+    def start(self) -> ModelInfo:
+        """Start the thread, load the model on it, and return the model's facts."""
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise RuntimeError(f"could not start the engine: {self._error}") from self._error
+        assert self.engine is not None
+        return self.engine.info
+
+    def submit(self, work: Work) -> None:
+        """Queue a tokenized job for admission into the running batch."""
+        self._inbox.put(work)
+
+    def cancel(self, key: str) -> None:
+        """Stop a job at the next step; its Completion says ``cancelled``."""
+        self._inbox.put(_Cancel(key))
+
+    def completions(self, timeout: float = 0.0) -> list[Completion]:
+        """Finished jobs, waiting up to ``timeout`` seconds for the first one."""
+        out: list[Completion] = []
+        try:
+            out.append(self._outbox.get(timeout=timeout) if timeout > 0 else self._outbox.get_nowait())
+        except queue.Empty:
+            return out
+        while True:
+            try:
+                out.append(self._outbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ask the MLX thread to exit and wait for it."""
+        self._stop.set()
+        self._inbox.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the MLX thread is running."""
+        return self._thread.is_alive() and self._error is None
+
+    # -- the MLX thread --------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self.engine = self._make_engine()
+            self.scheduler = self._make_scheduler(self.engine)
+        except BaseException as e:  # reported to start()'s caller
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                self._take_inbox(block=not self._pending and self.engine.active == 0)
+                self._admit()
+                if self.engine.active:
+                    self._emit(self.engine.step())
+        except BaseException as e:
+            log.exception("MLX thread stopped on an unexpected error")
+            self._error = e
+        finally:
+            self.engine.close()
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            if isinstance(item, _Cancel):
+                self._cancel(item.key)
+            else:
+                self._pending.append(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _cancel(self, key: str) -> None:
+        assert self.engine is not None
+        for work in self._pending:
+            if work.job.key == key:
+                self._pending.remove(work)
+                self._emit([Completion(key=key, finish_reason="cancelled")])
+                return
+        done = self.engine.cancel(key)
+        if done is not None:
+            self._emit([done])
+
+    def _admit(self) -> None:
+        """Move pending jobs into the batch while the scheduler has room (in order)."""
+        assert self.engine is not None and self.scheduler is not None
+        while self._pending:
+            work = self._pending[0]
+            max_tokens = work.job.request.max_tokens
+            if not self.scheduler.try_admit(work.job.key, len(work.tokens), max_tokens):
+                return
+            self._pending.popleft()
+            failed = self.engine.add(work.job, work.tokens)
+            if failed is not None:
+                self._emit([failed])
+
+    def _emit(self, completions: list[Completion]) -> None:
+        assert self.scheduler is not None
+        for c in completions:
+            self.scheduler.release(c.key)
+            self._outbox.put(c)

@@ -1,0 +1,93 @@
+"""Scheduling policy: how many jobs to pull and admit, as plain Python (no MLX).
+
+The KV cache of a running job grows to (prompt + max_tokens) tokens, each costing
+``kv_bytes_per_token``. The scheduler reserves that worst case per job against a memory
+budget, so a batch of long prompts waits for room instead of exhausting memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# A batch wider than this rarely adds throughput and makes every decode step slower.
+MAX_AUTO_BATCH = 256
+# The job length the automatic batch size is planned for (prompt + output tokens).
+PLANNED_JOB_TOKENS = 2048
+
+
+def memory_budget(total_bytes: int, model_bytes: int, fraction: float = 0.75) -> int:
+    """Bytes left for KV caches: a fraction of device memory minus the weights."""
+    return max(0, int(total_bytes * fraction) - model_bytes)
+
+
+def auto_max_batch(budget_bytes: int, kv_bytes_per_token: int, cap: int = MAX_AUTO_BATCH) -> int:
+    """The decode batch size that fits jobs of ``PLANNED_JOB_TOKENS`` in the budget."""
+    per_job = max(1, kv_bytes_per_token * PLANNED_JOB_TOKENS)
+    return max(1, min(cap, budget_bytes // per_job))
+
+
+@dataclass
+class Scheduler:
+    """Admission against a batch-size cap and a KV memory budget."""
+
+    max_batch: int
+    kv_bytes_per_token: int
+    budget_bytes: int
+    context_length: int
+    prefetch: int = 8
+    _reserved: dict[str, int] = field(default_factory=dict)
+
+    def job_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
+        """Worst-case KV bytes of one job."""
+        return (prompt_tokens + max_tokens) * self.kv_bytes_per_token
+
+    def fits_alone(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        """None if the job can ever run here, else a message saying why not."""
+        total = prompt_tokens + max_tokens
+        if total > self.context_length:
+            return (
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                f"the model's context length ({self.context_length}); shorten the prompt or "
+                "lower max_tokens"
+            )
+        need = self.job_bytes(prompt_tokens, max_tokens)
+        if need > self.budget_bytes:
+            return (
+                f"needs {need / 2**20:.0f} MiB of KV cache but this worker's budget is "
+                f"{self.budget_bytes / 2**20:.0f} MiB; lower max_tokens or run it on a "
+                "machine with more memory"
+            )
+        return None
+
+    @property
+    def active(self) -> int:
+        """Jobs admitted and not yet released."""
+        return len(self._reserved)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """KV bytes held by admitted jobs."""
+        return sum(self._reserved.values())
+
+    def fetch_count(self, held: int) -> int:
+        """How many more jobs to pull from Redis when ``held`` are already in hand.
+
+        A few beyond the batch size are prefetched so a finished job's slot is filled
+        at the next step, not after a Redis round trip.
+        """
+        return max(0, self.max_batch + self.prefetch - held)
+
+    def try_admit(self, key: str, prompt_tokens: int, max_tokens: int) -> bool:
+        """Admit the job if a batch slot and its memory are free; record the reservation."""
+        if len(self._reserved) >= self.max_batch:
+            return False
+        need = self.job_bytes(prompt_tokens, max_tokens)
+        # An empty batch always takes one job that fits alone, so nothing starves.
+        if self._reserved and self.reserved_bytes + need > self.budget_bytes:
+            return False
+        self._reserved[key] = need
+        return True
+
+    def release(self, key: str) -> None:
+        """Free a finished job's slot and memory."""
+        self._reserved.pop(key, None)
