@@ -170,9 +170,7 @@ class MlxqWorker(BaseWorker):
 
     def _start(self, job: Job, queue: Queue) -> None:
         """Register the job as an RQ execution and hand it to the MLX thread."""
-        execution = self.prepare_execution(job)
-        self.prepare_job_execution(job, remove_from_intermediate_queue=len(self.queues) == 1)
-        job.started_at = now()
+        execution = self._register(job, queue)
         try:
             request = decode_job(job)
             engine = self.runner.engine
@@ -187,6 +185,26 @@ class MlxqWorker(BaseWorker):
         meta = msgspec.convert(job.meta or {}, JobMeta)
         self.inflight[job.id] = InFlight(job, queue, execution, request, meta, time.time())
         self.runner.submit(Work(EngineJob(job.id, request), tokens))
+
+    def _register(self, job: Job, queue: Queue) -> Execution:
+        """RQ's prepare_execution + prepare_job_execution, in one round trip.
+
+        (RQ's own version also reads ``job.func_name`` for the process title, which would
+        deserialize a hostile payload before we have vetted it.)
+        """
+        with self.connection.pipeline() as pipe:
+            ttl = self.get_heartbeat_ttl(job)
+            execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
+            self.executions[execution.id] = execution
+            self.set_state(WorkerStatus.BUSY, pipeline=pipe)
+            self.heartbeat(ttl, pipeline=pipe)
+            job.heartbeat(now(), ttl, pipeline=pipe)
+            job.prepare_for_execution(self.name, pipeline=pipe)
+            pipe.persist(job.key)
+            if len(self.queues) == 1:
+                pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+            pipe.execute()
+        return execution
 
     def _finish(self, completions: list[Completion]) -> None:
         for c in completions:

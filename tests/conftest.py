@@ -28,3 +28,11 @@ def conn(valkey_url: str) -> Iterator[redis.Redis]:
     client.flushall()
     yield client
     client.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Path of a random-weight tiny model made with `mlxq make-model` (offline)."""
+    from mlxq.make_model import make_model
+
+    return str(make_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny"))

@@ -1,0 +1,68 @@
+"""The worker in-process against a real Valkey: bad jobs fail alone, hostile jobs never run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from rq import Queue
+from rq.job import Job
+
+from mlxq import queue as q
+from mlxq.launch import run_worker
+from mlxq.profile import WorkerProfile
+from mlxq.serializer import serializer
+from mlxq.types import Request
+
+
+@pytest.fixture
+def profile(tiny_model) -> WorkerProfile:
+    return WorkerProfile(model=tiny_model, max_batch=4, prefill_batch=2, heartbeat_interval=2)
+
+
+def test_bad_jobs_fail_alone_and_the_rest_finish(conn, profile):
+    reqs = [
+        Request(prompt="A fine prompt", max_tokens=6, custom_id="ok-1"),
+        Request(prompt=[1, 2, 10**9], max_tokens=6, custom_id="bad-ids"),
+        Request(prompt="x " * 5000, max_tokens=6, custom_id="too-long"),
+        Request(prompt="Another fine prompt", max_tokens=6, custom_id="ok-2"),
+    ]
+    info = q.submit(conn, reqs, queue="wq")
+    run_worker(profile, conn, burst=True, queues=["wq"])
+    results = list(q.iter_batch_results(conn, info.batch_id))
+    by_id = {r.custom_id: r for r in results}
+    assert by_id["ok-1"].finish_reason in ("stop", "length") and by_id["ok-1"].token_ids
+    assert by_id["ok-2"].finish_reason in ("stop", "length")
+    assert by_id["bad-ids"].finish_reason == "error" and "vocab" in by_id["bad-ids"].error.lower()
+    assert by_id["too-long"].finish_reason == "error"
+    assert "context" in by_id["too-long"].error
+    s = q.batch_status(conn, info.batch_id)
+    assert (s.finished, s.failed) == (2, 2)
+    failed = Queue("wq", connection=conn, serializer=serializer).failed_job_registry
+    assert failed.count == 2
+
+
+def test_hostile_jobs_fail_without_running_anything(conn, profile, tmp_path):
+    marker = tmp_path / "pwned"
+    pickled = Queue("evil", connection=conn).enqueue(os.system, f"touch {marker}")
+    named = Queue("evil", connection=conn, serializer=serializer).enqueue(
+        "os.system", f"touch {marker}")
+    run_worker(profile, conn, burst=True, queues=["evil"])
+    assert not marker.exists()
+    for job_id, reason in ((pickled.id, "not mlxq JSON"), (named.id, "only run mlxq.jobs.generate")):
+        job = Job.fetch(job_id, connection=conn, serializer=serializer)
+        assert job.get_status() == "failed"
+        assert reason in job.latest_result().exc_string
+
+
+def test_worker_registers_with_rq_and_finishes_jobs_through_rq(conn, profile):
+    info = q.submit(conn, [Request(prompt=f"p{i}", max_tokens=5) for i in range(10)], queue="wq")
+    worker = run_worker(profile, conn, burst=True, queues=["wq"])
+    worker.refresh()
+    assert worker.successful_job_count == 10 and worker.jobs_done == 10
+    ids = q.batch_job_ids(conn, info.batch_id)
+    job = Job.fetch(ids[3], connection=conn, serializer=serializer)
+    assert job.get_status() == "finished"
+    rv = job.return_value()
+    assert rv["job_id"] == ids[3] and rv["batch_id"] == info.batch_id and rv["index"] == 3
+    assert Queue("wq", connection=conn, serializer=serializer).started_job_registry.count == 0
