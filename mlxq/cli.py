@@ -92,21 +92,46 @@ def _read_file(path: str, skip_invalid: bool):  # -> ParsedInput
 
 @cli.command()
 @click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
-@click.option("--queue", "queue_name", help="Queue to submit to [default: the model's, or 'default'].")
+@click.option(
+    "--queue", "queue_name", help="Queue to submit to [default: the model's, or 'default']."
+)
 @click.option("--model", help="Model the batch is for; names the default queue.")
 @click.option("--skip-invalid", is_flag=True, help="Enqueue the valid lines and report the rest.")
-@click.option("--retries", type=click.IntRange(0, 20), default=0, show_default=True,
-              help="Times to retry a job that fails.")
-@click.option("--job-timeout", type=click.IntRange(1), default=keys.DEFAULT_JOB_TIMEOUT,
-              show_default=True, help="Seconds one generation may run.")
+@click.option(
+    "--retries",
+    type=click.IntRange(0, 20),
+    default=0,
+    show_default=True,
+    help="Times to retry a job that fails.",
+)
+@click.option(
+    "--job-timeout",
+    type=click.IntRange(1),
+    default=keys.DEFAULT_JOB_TIMEOUT,
+    show_default=True,
+    help="Seconds one generation may run.",
+)
 @click.option("--wait", is_flag=True, help="Wait for the batch, with a progress bar.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True),
-              help="With --wait: write the results here (JSONL).")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    help="With --wait: write the results here (JSONL).",
+)
 @click.option("--timeout", type=float, help="With --wait: give up after this many seconds.")
 @_redis_option
-def submit(file: str, queue_name: str | None, model: str | None, skip_invalid: bool, retries: int,
-           job_timeout: int, wait: bool, output: str | None, timeout: float | None,
-           redis_url: str) -> None:
+def submit(
+    file: str,
+    queue_name: str | None,
+    model: str | None,
+    skip_invalid: bool,
+    retries: int,
+    job_timeout: int,
+    wait: bool,
+    output: str | None,
+    timeout: float | None,
+    redis_url: str,
+) -> None:
     """Enqueue every request of a JSONL FILE as one batch; prints the batch id last.
 
     Lines are mlxq requests ({"prompt"|"messages", "max_tokens", ...}) or OpenAI Batch API
@@ -119,8 +144,16 @@ def submit(file: str, queue_name: str | None, model: str | None, skip_invalid: b
     conn = _connect(redis_url)
     queue_name = queue_name or keys.queue_name_for_model(model)
     with _bar(len(parsed.requests), "enqueueing") as bar:
-        info = q.submit(conn, parsed.requests, queue=queue_name, retries=retries,
-                        job_timeout=job_timeout, source=file, model=model, on_progress=bar.update)
+        info = q.submit(
+            conn,
+            parsed.requests,
+            queue=queue_name,
+            retries=retries,
+            job_timeout=job_timeout,
+            source=file,
+            model=model,
+            on_progress=bar.update,
+        )
     click.echo(f"submitted {info.total} requests to queue {info.queue!r} as batch {info.batch_id}")
     if wait:
         _wait_and_write(conn, info.batch_id, output, timeout)
@@ -129,8 +162,9 @@ def submit(file: str, queue_name: str | None, model: str | None, skip_invalid: b
 # -- results and status ------------------------------------------------------------------
 @contextlib.contextmanager
 def _bar(total: int, label: str) -> Iterator[Any]:
-    with click.progressbar(length=total, label=label, file=sys.stderr, show_pos=True,
-                           show_eta=True, width=30) as bar:
+    with click.progressbar(
+        length=total, label=label, file=sys.stderr, show_pos=True, show_eta=True, width=30
+    ) as bar:
         yield bar
 
 
@@ -148,8 +182,11 @@ def _wait_with_bar(conn: redis.Redis, batch_id: str, timeout: float | None) -> B
         except TimeoutError as e:
             _fail(str(e))
     rate = status.total / max(1e-9, time.monotonic() - start)
-    click.echo(f"batch {batch_id}: {status.finished} finished, {status.failed} failed "
-               f"({rate:.1f} requests/s)", err=True)
+    click.echo(
+        f"batch {batch_id}: {status.finished} finished, {status.failed} failed "
+        f"({rate:.1f} requests/s)",
+        err=True,
+    )
     return status
 
 
@@ -164,8 +201,9 @@ def _write_results(conn: redis.Redis, batch_id: str, out: TextIO) -> tuple[int, 
     return written, missing
 
 
-def _wait_and_write(conn: redis.Redis, batch_id: str, output: str | None,
-                    timeout: float | None) -> None:
+def _wait_and_write(
+    conn: redis.Redis, batch_id: str, output: str | None, timeout: float | None
+) -> None:
     _wait_with_bar(conn, batch_id, timeout)
     if output:
         _emit_results(conn, batch_id, output)
@@ -177,14 +215,22 @@ def _emit_results(conn: redis.Redis, batch_id: str, output: str) -> None:
     if output != "-":
         click.echo(f"wrote {written} results to {output}", err=True)
     if missing:
-        _fail(f"{missing} of {written + missing} requests are not done yet; "
-              f"rerun with --wait to wait for them")
+        _fail(
+            f"{missing} of {written + missing} requests are not done yet; "
+            f"rerun with --wait to wait for them"
+        )
 
 
 @cli.command()
 @click.argument("batch_id")
-@click.option("-o", "--output", default="-", type=click.Path(dir_okay=False, allow_dash=True),
-              show_default=True, help="Where to write the JSONL results.")
+@click.option(
+    "-o",
+    "--output",
+    default="-",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    show_default=True,
+    help="Where to write the JSONL results.",
+)
 @click.option("--wait", is_flag=True, help="Wait for the batch to finish, with a progress bar.")
 @click.option("--timeout", type=float, help="With --wait: give up after this many seconds.")
 @_redis_option
@@ -213,27 +259,47 @@ def status(batch_id: str, as_json: bool, redis_url: str) -> None:
     if as_json:
         click.echo(json_encoder.encode(s).decode())
         return
-    click.echo(f"batch {batch_id}: {s.done}/{s.total} done — {s.queued} queued, {s.started} "
-               f"running, {s.finished} finished, {s.failed} failed, {s.cancelled} cancelled")
+    click.echo(
+        f"batch {batch_id}: {s.done}/{s.total} done — {s.queued} queued, {s.started} "
+        f"running, {s.finished} finished, {s.failed} failed, {s.cancelled} cancelled"
+    )
 
 
 # -- worker and run ----------------------------------------------------------------------
 def _worker_options(f: Callable) -> Callable:
     options = [
         click.option("--model", help="Model to serve: a local folder or a hub id."),
-        click.option("--profile", type=click.Path(exists=True, dir_okay=False),
-                     help="Worker profile TOML (workers/NAME.toml); flags override it."),
-        click.option("--max-batch", type=click.IntRange(1, 4096),
-                     help="Cap on jobs decoding at once [default: sized from memory]."),
-        click.option("--prefill-batch", type=click.IntRange(1, 512),
-                     help="Prompts prefilled together [default: 8]."),
-        click.option("--memory-fraction", type=click.FloatRange(0.05, 0.95),
-                     help="Share of device memory for weights + KV cache [default: 0.75]."),
-        click.option("--adapter-path", type=click.Path(exists=True),
-                     help="LoRA adapter folder to serve on top of the model."),
-        click.option("--log-level", default="INFO", show_default=True,
-                     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"],
-                                       case_sensitive=False)),
+        click.option(
+            "--profile",
+            type=click.Path(exists=True, dir_okay=False),
+            help="Worker profile TOML (workers/NAME.toml); flags override it.",
+        ),
+        click.option(
+            "--max-batch",
+            type=click.IntRange(1, 4096),
+            help="Cap on jobs decoding at once [default: sized from memory].",
+        ),
+        click.option(
+            "--prefill-batch",
+            type=click.IntRange(1, 512),
+            help="Prompts prefilled together [default: 8].",
+        ),
+        click.option(
+            "--memory-fraction",
+            type=click.FloatRange(0.05, 0.95),
+            help="Share of device memory for weights + KV cache [default: 0.75].",
+        ),
+        click.option(
+            "--adapter-path",
+            type=click.Path(exists=True),
+            help="LoRA adapter folder to serve on top of the model.",
+        ),
+        click.option(
+            "--log-level",
+            default="INFO",
+            show_default=True,
+            type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+        ),
     ]
     return functools.reduce(lambda acc, opt: opt(acc), reversed(options), f)
 
@@ -253,22 +319,43 @@ def _profile(profile: str | None, **overrides: Any):  # -> WorkerProfile
 
 @cli.command()
 @_worker_options
-@click.option("-q", "--queue", "queues", multiple=True,
-              help="Queue to serve (repeatable) [default: the model's queue, then 'default'].")
+@click.option(
+    "-q",
+    "--queue",
+    "queues",
+    multiple=True,
+    help="Queue to serve (repeatable) [default: the model's queue, then 'default'].",
+)
 @click.option("--burst", is_flag=True, help="Exit once the queues are empty and nothing runs.")
 @click.option("--name", help="Worker name shown by `rq info` [default: random].")
 @_redis_option
-def worker(model: str | None, profile: str | None, max_batch: int | None,
-           prefill_batch: int | None, memory_fraction: float | None, adapter_path: str | None,
-           log_level: str, queues: tuple[str, ...], burst: bool, name: str | None,
-           redis_url: str) -> None:
+def worker(
+    model: str | None,
+    profile: str | None,
+    max_batch: int | None,
+    prefill_batch: int | None,
+    memory_fraction: float | None,
+    adapter_path: str | None,
+    log_level: str,
+    queues: tuple[str, ...],
+    burst: bool,
+    name: str | None,
+    redis_url: str,
+) -> None:
     """Load a model once and serve generation jobs from Redis queues, continuously batched."""
     from mlxq.launch import run_worker
 
     _setup_logging(log_level)
-    prof = _profile(profile, model=model, max_batch=max_batch, prefill_batch=prefill_batch,
-                    memory_fraction=memory_fraction, adapter_path=adapter_path,
-                    queues=list(queues), name=name)
+    prof = _profile(
+        profile,
+        model=model,
+        max_batch=max_batch,
+        prefill_batch=prefill_batch,
+        memory_fraction=memory_fraction,
+        adapter_path=adapter_path,
+        queues=list(queues),
+        name=name,
+    )
     conn = _connect(redis_url)
     run_worker(prof, conn, burst=burst)
 
@@ -276,14 +363,33 @@ def worker(model: str | None, profile: str | None, max_batch: int | None,
 @cli.command()
 @click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
 @_worker_options
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, allow_dash=True),
-              help="Where to write the JSONL results.")
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(dir_okay=False, allow_dash=True),
+    help="Where to write the JSONL results.",
+)
 @click.option("--skip-invalid", is_flag=True, help="Run the valid lines and report the rest.")
-@click.option("--redis-url", envvar=keys.ENV_REDIS_URL, show_envvar=True,
-              help="Use this Redis instead of a private embedded Valkey.")
-def run(file: str, model: str | None, profile: str | None, max_batch: int | None,
-        prefill_batch: int | None, memory_fraction: float | None, adapter_path: str | None,
-        log_level: str, output: str, skip_invalid: bool, redis_url: str | None) -> None:
+@click.option(
+    "--redis-url",
+    envvar=keys.ENV_REDIS_URL,
+    show_envvar=True,
+    help="Use this Redis instead of a private embedded Valkey.",
+)
+def run(
+    file: str,
+    model: str | None,
+    profile: str | None,
+    max_batch: int | None,
+    prefill_batch: int | None,
+    memory_fraction: float | None,
+    adapter_path: str | None,
+    log_level: str,
+    output: str,
+    skip_invalid: bool,
+    redis_url: str | None,
+) -> None:
     """Run a JSONL FILE through a model on this machine and write the results.
 
     With no --redis-url (or MLXQ_REDIS_URL) it starts an embedded Valkey, submits the
@@ -293,18 +399,31 @@ def run(file: str, model: str | None, profile: str | None, max_batch: int | None
     from mlxq.server import embedded
 
     _setup_logging(log_level if log_level.upper() != "INFO" else "WARNING")
-    prof = _profile(profile, model=model, max_batch=max_batch, prefill_batch=prefill_batch,
-                    memory_fraction=memory_fraction, adapter_path=adapter_path)
+    prof = _profile(
+        profile,
+        model=model,
+        max_batch=max_batch,
+        prefill_batch=prefill_batch,
+        memory_fraction=memory_fraction,
+        adapter_path=adapter_path,
+    )
     parsed = _read_file(file, skip_invalid)
     server = contextlib.nullcontext(redis_url) if redis_url else embedded()
     with server as url:
         conn = _connect(url)
         batch_id = q.new_batch_id()
         queue_name = f"run-{batch_id}"  # private: this run's worker drains exactly this batch
-        q.submit(conn, parsed.requests, queue=queue_name, batch_id=batch_id, source=file,
-                 model=prof.model)
-        click.echo(f"running {len(parsed.requests)} requests on {prof.model} "
-                   f"(batch {batch_id})", err=True)
+        q.submit(
+            conn,
+            parsed.requests,
+            queue=queue_name,
+            batch_id=batch_id,
+            source=file,
+            model=prof.model,
+        )
+        click.echo(
+            f"running {len(parsed.requests)} requests on {prof.model} (batch {batch_id})", err=True
+        )
         start, tokens = time.monotonic(), [0]
         with _bar(len(parsed.requests), "generating") as bar:
 
@@ -315,31 +434,47 @@ def run(file: str, model: str | None, profile: str | None, max_batch: int | None
 
             run_worker(prof, conn, burst=True, queues=[queue_name], on_finish=on_finish)
         s = q.batch_status(conn, batch_id)
-        click.echo(f"{s.finished} finished, {s.failed} failed in "
-                   f"{time.monotonic() - start:.1f}s", err=True)
+        click.echo(
+            f"{s.finished} finished, {s.failed} failed in {time.monotonic() - start:.1f}s", err=True
+        )
         _emit_results(conn, batch_id, output)
 
 
 # -- server and make-model ---------------------------------------------------------------
 @cli.command()
 @click.option("--port", type=int, default=6379, show_default=True)
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to listen on; use 0.0.0.0 (with --password) for other machines.")
-@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
-              default=Path.home() / ".mlxq" / "valkey", show_default=True,
-              help="Where the server persists queues and results.")
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on; use 0.0.0.0 (with --password) for other machines.",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path.home() / ".mlxq" / "valkey",
+    show_default=True,
+    help="Where the server persists queues and results.",
+)
 @click.option("--no-persist", is_flag=True, help="Keep everything in memory only.")
-@click.option("--password", envvar="MLXQ_SERVER_PASSWORD", show_envvar=True,
-              help="Require this password (AUTH).")
+@click.option(
+    "--password",
+    envvar="MLXQ_SERVER_PASSWORD",
+    show_envvar=True,
+    help="Require this password (AUTH).",
+)
 def server(port: int, host: str, data_dir: Path, no_persist: bool, password: str | None) -> None:
     """Run a persistent embedded Valkey server for local workers and submitters."""
     from mlxq.server import make_server
 
     if host not in ("127.0.0.1", "localhost", "::1") and not password:
-        _fail(f"refusing to listen on {host} without --password: anyone on the network "
-              "could read and write your queues")
-    srv = make_server(port=port, host=host, data_dir=data_dir, persist=not no_persist,
-                      password=password)
+        _fail(
+            f"refusing to listen on {host} without --password: anyone on the network "
+            "could read and write your queues"
+        )
+    srv = make_server(
+        port=port, host=host, data_dir=data_dir, persist=not no_persist, password=password
+    )
     srv.start()
     where = f"redis://{host}:{srv.port}/0"
     click.echo(f"mlxq server listening on {where} (data in {data_dir}); Ctrl-C to stop", err=True)
@@ -356,8 +491,12 @@ def server(port: int, host: str, data_dir: Path, no_persist: bool, password: str
 
 @cli.command("make-model")
 @click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--preset", default="tiny", show_default=True,
-              help="Model shape: tiny, llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b.")
+@click.option(
+    "--preset",
+    default="tiny",
+    show_default=True,
+    help="Model shape: tiny, llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b.",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 def make_model_cmd(dest: Path, preset: str, seed: int) -> None:
     """Write a random-weight model that mlx_lm.load reads (offline tests and benchmarks)."""

@@ -1,10 +1,10 @@
 """Python client for services: submit requests, fetch results, wait for batches.
 
-    from mlxq.client import Client
-    client = Client("redis://queue-host:6379/0")
-    batch = client.submit([{"prompt": "Hello", "max_tokens": 32}], queue="default")
-    for result in client.wait(batch.batch_id, timeout=600):
-        print(result.custom_id, result.text)
+from mlxq.client import Client
+client = Client("redis://queue-host:6379/0")
+batch = client.submit([{"prompt": "Hello", "max_tokens": 32}], queue="default")
+for result in client.wait(batch.batch_id, timeout=600):
+    print(result.custom_id, result.text)
 """
 
 from __future__ import annotations

@@ -57,14 +57,28 @@ def build_scheduler(engine: Engine, profile: WorkerProfile) -> Scheduler:
     max_batch = profile.max_batch or auto_max_batch(budget, info.kv_bytes_per_token)
     log.info(
         "device: %s %s on %s (%s), %.1f GiB memory, KV budget %.1f GiB",
-        facts.backend, facts.name, facts.host, facts.os, facts.memory_bytes / 2**30, budget / 2**30,
+        facts.backend,
+        facts.name,
+        facts.host,
+        facts.os,
+        facts.memory_bytes / 2**30,
+        budget / 2**30,
     )
     log.info(
         "model: %s (%s, %d layers, hidden %d, %d KV heads x %d, vocab %d, context %d, %s), "
         "%.2f GiB weights, %d KiB KV per token; batch up to %d",
-        info.name, info.model_type, info.num_layers, info.hidden_size, info.num_kv_heads,
-        info.head_dim, info.vocab_size, info.context_length, info.dtype,
-        info.param_bytes / 2**30, info.kv_bytes_per_token // 1024, max_batch,
+        info.name,
+        info.model_type,
+        info.num_layers,
+        info.hidden_size,
+        info.num_kv_heads,
+        info.head_dim,
+        info.vocab_size,
+        info.context_length,
+        info.dtype,
+        info.param_bytes / 2**30,
+        info.kv_bytes_per_token // 1024,
+        max_batch,
     )
     return Scheduler(
         max_batch=max_batch,

@@ -184,7 +184,9 @@ def _to_result(job_id: str, status_meta: list, latest: list) -> Result | None:
     meta = _meta_decoder.decode(status_meta[1]) if status_meta[1] else JobMeta()
     payload = latest[0][1] if latest else {}
     if status == "finished" and b"return_value" in payload:
-        result = msgspec.convert(serializer.loads(base64.b64decode(payload[b"return_value"])), Result)
+        result = msgspec.convert(
+            serializer.loads(base64.b64decode(payload[b"return_value"])), Result
+        )
         return result
     if status in ("failed", "stopped", "canceled", "expired"):
         reason = "cancelled" if status == "canceled" else "error"

@@ -79,7 +79,9 @@ class Runner:
         """Finished jobs, waiting up to ``timeout`` seconds for the first one."""
         out: list[Completion] = []
         try:
-            out.append(self._outbox.get(timeout=timeout) if timeout > 0 else self._outbox.get_nowait())
+            out.append(
+                self._outbox.get(timeout=timeout) if timeout > 0 else self._outbox.get_nowait()
+            )
         except queue.Empty:
             return out
         while True:

@@ -93,9 +93,11 @@ class MlxqWorker(BaseWorker):
     # -- signals: never raise from a handler; the loop reads the flags -----------------
     def _shutdown(self) -> None:
         self._stop_requested = True
-        self.log.info("Worker %s: stopping: finishing %d in-flight jobs", self.name, len(self.inflight))
+        self.log.info(
+            "Worker %s: stopping: finishing %d in-flight jobs", self.name, len(self.inflight)
+        )
 
-    def request_force_stop(self, signum, frame) -> None:  # noqa: ANN001 (RQ's signature)
+    def request_force_stop(self, signum, frame) -> None:
         self._force_stop = True
 
     def execute_job(self, job: Job, queue: Queue) -> None:
@@ -164,8 +166,12 @@ class MlxqWorker(BaseWorker):
             )
         except Exception as e:  # DequeueTimeout, or a job hash that cannot be read
             if type(e).__name__ != "DequeueTimeout":
-                self.log.error("Worker %s: could not dequeue job %s: %s",
-                               self.name, getattr(e, "job_id", "?"), e)
+                self.log.error(
+                    "Worker %s: could not dequeue job %s: %s",
+                    self.name,
+                    getattr(e, "job_id", "?"),
+                    e,
+                )
             return None
 
     def _start(self, job: Job, queue: Queue) -> None:
@@ -218,7 +224,9 @@ class MlxqWorker(BaseWorker):
                 self._fail(inf.job, inf.queue, inf.execution, c.error or "generation failed")
             else:
                 result = build_result(inf, c, self.model_name, self.name)
-                self._finalize_success(inf.job, inf.queue, inf.execution, msgspec.to_builtins(result))
+                self._finalize_success(
+                    inf.job, inf.queue, inf.execution, msgspec.to_builtins(result)
+                )
         if not self.inflight and self.get_state() == WorkerStatus.BUSY:
             self.set_state(WorkerStatus.IDLE)
 
@@ -263,8 +271,12 @@ class MlxqWorker(BaseWorker):
                     pipe.execute()
                 self.log.info("Worker %s: put job %s back on %s", self.name, key, inf.queue.name)
             except redis.RedisError as e:
-                self.log.error("Worker %s: could not requeue %s (%s); RQ's registry "
-                               "cleanup will recover it", self.name, key, e)
+                self.log.error(
+                    "Worker %s: could not requeue %s (%s); RQ's registry cleanup will recover it",
+                    self.name,
+                    key,
+                    e,
+                )
             del self.inflight[key]
 
 
@@ -326,4 +338,3 @@ def _diff(end: float | None, start: float | None) -> float | None:
 
 def _rate(count: int, seconds: float | None) -> float | None:
     return count / seconds if seconds and count > 0 else None
-

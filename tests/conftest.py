@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -31,8 +33,22 @@ def conn(valkey_url: str) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Path of a random-weight tiny model made with `mlxq make-model` (offline)."""
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with the random-weight ``tiny`` preset (seed 0), made once per session."""
     from mlxq.make_model import make_model
 
-    return str(make_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny"))
+    return make_model(tmp_path_factory.mktemp("models") / "tiny", "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir: Path) -> str:
+    """The tiny model's path as a string, as the CLI and profiles take it."""
+    return str(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_model_dir: Path) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of the tiny model, loaded once with ``mlx_lm.load``."""
+    import mlx_lm
+
+    return mlx_lm.load(str(tiny_model_dir))

@@ -16,8 +16,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def mlxq(*args: str, timeout: float = 240, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlxq", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "mlxq", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        **kw,
+    )
 
 
 def write_mixed(path: Path) -> list[dict]:
@@ -25,18 +31,43 @@ def write_mixed(path: Path) -> list[dict]:
         {"custom_id": "text-0", "prompt": "The quick brown fox", "max_tokens": 12},
         {"custom_id": "text-1", "prompt": "Once upon a time there was", "max_tokens": 20},
         {"custom_id": "ids-0", "prompt": [5, 17, 42, 8, 99], "max_tokens": 10},
-        {"custom_id": "chat-0", "messages": [{"role": "user", "content": "Hello there"}],
-         "max_tokens": 16},
-        {"custom_id": "oa-chat", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": "m", "messages": [{"role": "user", "content": "Say hi"}],
-                  "max_tokens": 8}},
-        {"custom_id": "oa-comp", "method": "POST", "url": "/v1/completions",
-         "body": {"model": "m", "prompt": "In the beginning", "max_tokens": 9}},
+        {
+            "custom_id": "chat-0",
+            "messages": [{"role": "user", "content": "Hello there"}],
+            "max_tokens": 16,
+        },
+        {
+            "custom_id": "oa-chat",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "m",
+                "messages": [{"role": "user", "content": "Say hi"}],
+                "max_tokens": 8,
+            },
+        },
+        {
+            "custom_id": "oa-comp",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "m", "prompt": "In the beginning", "max_tokens": 9},
+        },
     ]
-    lines += [{"custom_id": f"sampled-{i}", "prompt": f"Story number {i}:", "max_tokens": 14,
-               "temperature": 0.8, "top_p": 0.9, "seed": i} for i in range(12)]
-    lines += [{"custom_id": f"greedy-{i}", "prompt": f"Fact {i} is that", "max_tokens": 11}
-              for i in range(12)]
+    lines += [
+        {
+            "custom_id": f"sampled-{i}",
+            "prompt": f"Story number {i}:",
+            "max_tokens": 14,
+            "temperature": 0.8,
+            "top_p": 0.9,
+            "seed": i,
+        }
+        for i in range(12)
+    ]
+    lines += [
+        {"custom_id": f"greedy-{i}", "prompt": f"Fact {i} is that", "max_tokens": 11}
+        for i in range(12)
+    ]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     return lines
 
@@ -72,8 +103,7 @@ def _load(path, load):
     return _cache[path]
 
 
-def test_two_burst_workers_return_every_result_exactly_once(tiny_model, valkey_url, conn,
-                                                             tmp_path):
+def test_two_burst_workers_return_every_result_exactly_once(tiny_model, valkey_url, conn, tmp_path):
     src = tmp_path / "mixed.jsonl"
     lines = write_mixed(src)
     env = {**os.environ, "MLXQ_REDIS_URL": valkey_url}
@@ -81,11 +111,33 @@ def test_two_burst_workers_return_every_result_exactly_once(tiny_model, valkey_u
     assert sub.returncode == 0, sub.stderr
     batch_id = sub.stdout.strip().split()[-1]
 
-    workers = [subprocess.Popen(
-        [sys.executable, "-m", "mlxq", "worker", "--model", tiny_model, "-q", "e2e", "--burst",
-         "--max-batch", "4", "--prefill-batch", "2", "--name", f"w{i}"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)]
+    workers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mlxq",
+                "worker",
+                "--model",
+                tiny_model,
+                "-q",
+                "e2e",
+                "--burst",
+                "--max-batch",
+                "4",
+                "--prefill-batch",
+                "2",
+                "--name",
+                f"w{i}",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     logs = [w.communicate(timeout=300)[0] for w in workers]
     assert all(w.returncode == 0 for w in workers), logs
 
@@ -118,8 +170,7 @@ def test_run_locally_on_embedded_valkey(tiny_model, tmp_path):
     lines = write_mixed(src)
     out = tmp_path / "out.jsonl"
     env = {k: v for k, v in os.environ.items() if k != "MLXQ_REDIS_URL"}
-    run = mlxq("run", str(src), "--model", tiny_model, "-o", str(out), "--max-batch", "8",
-               env=env)
+    run = mlxq("run", str(src), "--model", tiny_model, "-o", str(out), "--max-batch", "8", env=env)
     assert run.returncode == 0, run.stderr
     results = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["custom_id"] for r in results] == [x["custom_id"] for x in lines]
@@ -128,7 +179,9 @@ def test_run_locally_on_embedded_valkey(tiny_model, tmp_path):
 
 def test_bad_file_is_refused_whole_with_line_numbers(valkey_url, conn, tmp_path):
     src = tmp_path / "bad.jsonl"
-    src.write_text('{"prompt": "ok", "max_tokens": 4}\n{"prompt": "x", "max_tokens": 0}\nnot json\n')
+    src.write_text(
+        '{"prompt": "ok", "max_tokens": 4}\n{"prompt": "x", "max_tokens": 0}\nnot json\n'
+    )
     env = {**os.environ, "MLXQ_REDIS_URL": valkey_url}
     sub = mlxq("submit", str(src), "--queue", "bad", env=env)
     assert sub.returncode != 0

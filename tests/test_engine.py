@@ -10,12 +10,9 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import load_tokenizer
-from model_fixture import tiny, tiny_model_dir
 
 from mlxq.engine import Completion, Engine, EngineJob, JobInputError
 from mlxq.types import Message, Request
-
-__all__ = ["tiny", "tiny_model_dir"]
 
 REQUESTS = [
     Request(prompt="The capital of France is", max_tokens=20),

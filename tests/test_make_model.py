@@ -10,11 +10,8 @@ import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
-from model_fixture import tiny, tiny_model_dir
 
 from mlxq import make_model as mm
-
-__all__ = ["tiny", "tiny_model_dir"]
 
 
 def _greedy(model, tokens: list[int], n: int) -> list[int]:

@@ -64,8 +64,13 @@ def test_results_decode_return_values_and_failures_in_input_order(conn):
     ids = q.batch_job_ids(conn, info.batch_id)
     ok = Result(job_id=ids[0], custom_id="c0", finish_reason="length", text="hi", token_ids=[1])
     conn.hset(f"rq:job:{ids[0]}", "status", "finished")
-    conn.xadd(f"rq:results:{ids[0]}", {"type": 1, "return_value": base64.b64encode(
-        serializer.dumps(msgspec.to_builtins(ok))).decode()})
+    conn.xadd(
+        f"rq:results:{ids[0]}",
+        {
+            "type": 1,
+            "return_value": base64.b64encode(serializer.dumps(msgspec.to_builtins(ok))).decode(),
+        },
+    )
     job = Job.fetch(ids[1], connection=conn, serializer=serializer)
     with conn.pipeline() as pipe:
         job.set_status("failed", pipeline=pipe)

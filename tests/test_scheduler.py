@@ -4,8 +4,13 @@ from mlxq.scheduler import Scheduler, auto_max_batch, memory_budget
 
 
 def make(max_batch=4, budget=1000, kv=1, ctx=4096) -> Scheduler:
-    return Scheduler(max_batch=max_batch, kv_bytes_per_token=kv, budget_bytes=budget,
-                     context_length=ctx, prefetch=2)
+    return Scheduler(
+        max_batch=max_batch,
+        kv_bytes_per_token=kv,
+        budget_bytes=budget,
+        context_length=ctx,
+        prefetch=2,
+    )
 
 
 def test_admits_up_to_the_batch_cap():

@@ -46,10 +46,14 @@ def test_hostile_jobs_fail_without_running_anything(conn, profile, tmp_path):
     marker = tmp_path / "pwned"
     pickled = Queue("evil", connection=conn).enqueue(os.system, f"touch {marker}")
     named = Queue("evil", connection=conn, serializer=serializer).enqueue(
-        "os.system", f"touch {marker}")
+        "os.system", f"touch {marker}"
+    )
     run_worker(profile, conn, burst=True, queues=["evil"])
     assert not marker.exists()
-    for job_id, reason in ((pickled.id, "not mlxq JSON"), (named.id, "only run mlxq.jobs.generate")):
+    for job_id, reason in (
+        (pickled.id, "not mlxq JSON"),
+        (named.id, "only run mlxq.jobs.generate"),
+    ):
         job = Job.fetch(job_id, connection=conn, serializer=serializer)
         assert job.get_status() == "failed"
         assert reason in job.latest_result().exc_string

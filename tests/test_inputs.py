@@ -1,0 +1,548 @@
+"""Tests of mlxq.inputs: reading `mlxq submit` JSONL files (mlxq and OpenAI batch lines)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+from pathlib import Path
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mlxq.inputs import (
+    InputFileError,
+    InvalidLine,
+    LineError,
+    ParsedInput,
+    parse_line,
+    parse_lines,
+    read_requests,
+    request_from_openai,
+)
+from mlxq.types import Message, Request, json_encoder
+
+DATA = Path(__file__).parent / "data" / "inputs"
+BAD = DATA / "bad"
+BAD_CASES = sorted(p.stem for p in BAD.glob("*.jsonl"))
+
+
+def read_expect(name: str) -> dict[int, str]:
+    """A bad case's sidecar: ``LINE: substring`` lines; ``#`` starts a comment."""
+    expect = {}
+    for row in (BAD / f"{name}.expect").read_text().splitlines():
+        if row.strip() and not row.startswith("#"):
+            line, _, substring = row.partition(": ")
+            expect[int(line)] = substring
+    return expect
+
+
+def chat(**body) -> dict:
+    body.setdefault("messages", [{"role": "user", "content": "hi"}])
+    return {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+def completion(**body) -> dict:
+    body.setdefault("prompt", "hi")
+    return {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": body}
+
+
+# --------------------------------------------------------------------------------------
+# Good input
+
+
+def test_good_mixed_file():
+    parsed = read_requests(DATA / "good_mixed.jsonl")
+    assert parsed.errors == []
+    assert parsed.lines == [1, 2, 3, 5, 6, 7, 8, 9, 11]
+    by_id = dict(zip([r.custom_id for r in parsed.requests], parsed.requests, strict=True))
+    assert list(by_id) == [
+        "text-greedy",
+        "tokens",
+        "chat-sampled",
+        "oa-chat",
+        "oa-completion",
+        "line-7",
+        "oa-completion-tokens",
+        "all-fields",
+        "oa-chat-greedy",
+    ]
+    assert by_id["text-greedy"] == Request(
+        prompt="The capital of France is", max_tokens=16, custom_id="text-greedy"
+    )
+    assert by_id["tokens"].prompt == [1, 450, 7483, 310, 3444, 338]
+    sampled = by_id["chat-sampled"]
+    assert sampled.messages == [
+        Message("system", "You are terse."),
+        Message("user", "Name a prime."),
+    ]
+    assert (sampled.temperature, sampled.top_p, sampled.seed, sampled.stop) == (
+        0.7,
+        0.9,
+        42,
+        ["\n\n"],
+    )
+    assert by_id["oa-chat"] == Request(
+        messages=[Message("user", "Describe the sea\nin one line.")],
+        max_tokens=32,
+        temperature=0.5,
+        logprobs=2,
+        custom_id="oa-chat",
+        metadata={"model": "gpt-4o-mini"},
+    )
+    assert by_id["oa-completion"] == Request(
+        prompt="Once upon a time",
+        max_tokens=20,
+        stop=["\n"],
+        logprobs=1,
+        custom_id="oa-completion",
+        metadata={"model": "davinci-002"},
+    )
+    assert by_id["line-7"] == Request(prompt="no custom_id here", max_tokens=4, custom_id="line-7")
+    assert by_id["oa-completion-tokens"] == Request(
+        prompt=[9906, 1917],
+        temperature=1.0,
+        seed=7,
+        top_k=40,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        custom_id="oa-completion-tokens",
+    )
+    assert by_id["all-fields"].metadata == {"source": "test", "tags": ["a"]}
+    assert by_id["all-fields"].logprobs == 0
+    greedy = by_id["oa-chat-greedy"]
+    assert greedy == Request(
+        messages=[Message("user", "Hi")],
+        max_tokens=8,
+        custom_id="oa-chat-greedy",
+        metadata={"model": "m"},
+    )
+    # Everything read survives the trip to Redis.
+    for r in parsed.requests:
+        assert msgspec.json.decode(json_encoder.encode(r), type=Request) == r
+
+
+def test_bom_at_file_start_and_crlf(tmp_path):
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\r\n\r\n{"prompt": "b"}\r\n')
+    parsed = read_requests(p)
+    assert [r.prompt for r in parsed.requests] == ["a", "b"]
+    assert parsed.lines == [1, 3]
+
+
+def test_openai_defaults_and_nulls():
+    r = request_from_openai(chat(), 3)
+    assert r == Request(messages=[Message("user", "hi")], custom_id="c")
+    assert r.max_tokens == Request(prompt="x").max_tokens
+    r = request_from_openai(
+        chat(max_tokens=None, temperature=None, logprobs=None, n=None, stream=None), 3
+    )
+    assert r == Request(messages=[Message("user", "hi")], custom_id="c")
+    assert request_from_openai(chat(logprobs=True), 1).logprobs == 0
+    assert request_from_openai(chat(logprobs=False), 1).logprobs is None
+    assert request_from_openai(chat(max_tokens=7, max_completion_tokens=7), 1).max_tokens == 7
+    assert request_from_openai(completion(prompt=["only one"]), 1).prompt == "only one"
+    assert request_from_openai(completion(prompt=[5, 6]), 1).prompt == [5, 6]
+    assert request_from_openai(completion(logprobs=0), 1).logprobs == 0
+    assert request_from_openai(completion(stop=["a", "b"]), 1).stop == ["a", "b"]
+    r = request_from_openai(completion(model="m", metadata={"k": "v"}, user="u"), 1)
+    assert r.metadata == {"k": "v", "model": "m"}
+    obj = completion()
+    obj["url"] = "/v1/completions/"
+    obj["method"] = "post"
+    assert request_from_openai(obj, 1).prompt == "hi"
+
+
+def test_parse_line_accepts_str_and_assigns_custom_id():
+    assert parse_line('{"prompt": "x"}', 12).custom_id == "line-12"
+    assert parse_line(b'{"prompt": "x", "custom_id": "mine"}\n', 12).custom_id == "mine"
+
+
+# --------------------------------------------------------------------------------------
+# Bad input corpus: every case names the right line and field.
+
+
+@pytest.mark.parametrize("name", BAD_CASES)
+def test_bad_corpus(name):
+    expect = read_expect(name)
+    assert expect, f"{name}.expect lists no lines"
+    with pytest.raises(InputFileError) as info:
+        read_requests(BAD / f"{name}.jsonl")
+    got = {e.line: e.message for e in info.value.errors}
+    assert sorted(got) == sorted(expect), got
+    for line, substring in expect.items():
+        assert substring in got[line], f"line {line}: {got[line]!r}"
+        # One line per error, so the report stays one line per bad input line.
+        assert "\n" not in got[line]
+    assert info.value.path == str(BAD / f"{name}.jsonl")
+
+
+def test_every_bad_case_has_an_expect_file():
+    assert len(BAD_CASES) >= 12
+    for name in BAD_CASES:
+        assert (BAD / f"{name}.expect").is_file(), name
+
+
+@pytest.mark.parametrize("name", BAD_CASES)
+def test_bad_corpus_skip_invalid(name):
+    expect = read_expect(name)
+    try:
+        parsed = read_requests(BAD / f"{name}.jsonl", skip_invalid=True)
+    except InputFileError as e:  # nothing valid in the file
+        assert e.summary and e.summary.startswith("no valid requests in ")
+        assert [x.line for x in e.errors] == sorted(expect)
+        return
+    assert [e.line for e in parsed.errors] == sorted(expect)
+    assert not set(parsed.lines) & set(expect)
+    assert len(parsed.lines) == len(parsed.requests)
+
+
+def test_parse_line_chains_msgspec_cause():
+    with pytest.raises(InvalidLine) as info:
+        parse_line(b'{"prompt": "a", "max_tokens": 0}', 4)
+    e = info.value
+    assert isinstance(e.__cause__, msgspec.ValidationError)
+    assert e.line == 4
+    assert e.error == LineError(
+        4, "max_tokens: Expected `int` >= 1 (got 0); set max_tokens to an integer from 1 to 1000000"
+    )
+    assert str(e) == f"line 4: {e.message}"
+    with pytest.raises(InvalidLine) as info:
+        parse_line(b'{"prompt": ', 4)
+    assert isinstance(info.value.__cause__, msgspec.DecodeError)
+
+
+@pytest.mark.parametrize(
+    ("raw", "substring"),
+    [
+        ("", "blank line"),
+        ('{"prompt": "\ud800"}', "lone surrogate"),
+        (b"[" * 100_000, "invalid JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (b'{"prompt": "a", "seed": ' + b"9" * 5000 + b"}", "invalid JSON"),
+        (b'{"prompt": "\xc3\xa9t\xc3\xa9"  oops}', "column 19"),  # columns count characters
+        (b'{"prompt": "a", "metadata": {"x": 1e999}}', "number out of range"),
+    ],
+)
+def test_parse_line_odd_input(raw, substring):
+    with pytest.raises(InvalidLine) as info:
+        parse_line(raw, 1)
+    assert substring in info.value.message
+
+
+def test_long_values_are_shortened_in_messages():
+    with pytest.raises(InvalidLine) as info:
+        parse_line(json.dumps({"prompt": "a", "stop": "x" * 10_000}), 1)
+    assert len(info.value.message) < 200
+    with pytest.raises(InvalidLine) as info:
+        parse_line(json.dumps({"prompt": [*range(100_000), -1]}), 1)
+    assert "prompt[100000]: Expected `int` >= 0 (got -1)" in info.value.message
+
+
+# --------------------------------------------------------------------------------------
+# Files: huge lines, skip_invalid, reports, stdin, empty files
+
+
+def test_huge_line_is_reported_without_decoding(tmp_path):
+    p = tmp_path / "huge.jsonl"
+    with p.open("wb") as f:
+        f.write(b'{"prompt": "before"}\n')
+        f.write(b'{"prompt": "' + b"x" * (3 << 20) + b'"}\r\n')
+        f.write(b'{"prompt": "after"}\n')
+        f.write(b'{"prompt": "' + b"\xff" * 5000 + b'"}')  # over the limit, no newline at EOF
+    parsed = read_requests(p, skip_invalid=True, max_line_bytes=4096)
+    assert [r.prompt for r in parsed.requests] == ["before", "after"]
+    assert parsed.lines == [1, 3]
+    assert [e.line for e in parsed.errors] == [2, 4]
+    size = len(b'{"prompt": "') + (3 << 20) + len(b'"}')
+    assert parsed.errors[0].message.startswith(
+        f"line is too long: {size} bytes, over the limit of 4096 bytes (max_line_bytes)"
+    )
+    assert "5014 bytes" in parsed.errors[1].message
+    with pytest.raises(InputFileError, match=r"huge\.jsonl:2: line is too long"):
+        read_requests(p, max_line_bytes=4096)
+
+
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n"])
+def test_line_of_exactly_the_limit_is_accepted(tmp_path, ending):
+    def line(n: int) -> bytes:
+        return b'{"prompt": "' + b"y" * (n - 14) + b'"}'
+
+    p = tmp_path / "limit.jsonl"
+    p.write_bytes(line(102) + ending + line(103) + ending + line(102))  # no ending at EOF
+    parsed = read_requests(p, skip_invalid=True, max_line_bytes=102)
+    assert parsed.lines == [1, 3]
+    assert [e.line for e in parsed.errors] == [2]
+    assert "103 bytes" in parsed.errors[0].message
+    p.write_bytes(line(102) + ending + line(103))
+    parsed = read_requests(p, skip_invalid=True, max_line_bytes=102)
+    assert parsed.lines == [1]
+    assert "103 bytes" in parsed.errors[0].message
+
+
+def test_parse_lines_max_line_bytes():
+    parsed = parse_lines(
+        [b'{"prompt": "ok"}', b'{"prompt": "' + b"x" * 100 + b'"}'], max_line_bytes=50
+    )
+    assert parsed.lines == [1]
+    assert parsed.errors[0].line == 2
+    assert "too long" in parsed.errors[0].message
+
+
+def test_mixed_good_and_bad_skip_invalid_both_ways(tmp_path):
+    lines = [
+        '{"custom_id": "ok1", "prompt": "a"}',
+        '{"custom_id": "bad1", "prompt": "a", "top_p": 2}',
+        "",
+        json.dumps(chat(temperature=0.3)),
+        "{nope",
+        '{"prompt": [3, 4]}',
+    ]
+    p = tmp_path / "mixed.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    with pytest.raises(InputFileError) as info:
+        read_requests(p)
+    assert [e.line for e in info.value.errors] == [2, 5]
+    assert str(info.value).splitlines() == [
+        f"{p}:2: top_p: Expected `float` <= 1.0 (got 2); set top_p to a number from 0 to 1 "
+        "(1 = off)",
+        f"{p}:5: " + info.value.errors[1].message,
+    ]
+    assert info.value.errors[1].message.startswith("invalid JSON at column 2:")
+
+    parsed = read_requests(p, skip_invalid=True)
+    assert [r.custom_id for r in parsed.requests] == ["ok1", "c", "line-6"]
+    assert parsed.lines == [1, 4, 6]
+    assert [e.line for e in parsed.errors] == [2, 5]
+
+
+def test_report_is_capped(tmp_path):
+    p = tmp_path / "many.jsonl"
+    p.write_text('{"prompt": "good"}\n' + "[]\n" * 120)
+    with pytest.raises(InputFileError) as info:
+        read_requests(p)
+    report = str(info.value).splitlines()
+    assert len(info.value.errors) == 120
+    assert len(report) == 51
+    assert report[0] == f"{p}:2: expected a JSON object per line, got an array; " + (
+        'write each request as {"prompt": ...} or {"messages": [...]}'
+    )
+    assert report[49].startswith(f"{p}:51: ")
+    assert report[50] == "... and 70 more invalid lines"
+    assert str(InputFileError("f", [LineError(1, "x")] * 51)).endswith(
+        "... and 1 more invalid line"
+    )
+
+
+@pytest.mark.parametrize("content", [b"", b"\n\n   \n", b"\xef\xbb\xbf", b"\xef\xbb\xbf\n"])
+def test_empty_file_is_an_error(tmp_path, content):
+    p = tmp_path / "empty.jsonl"
+    p.write_bytes(content)
+    for skip in (False, True):
+        with pytest.raises(InputFileError) as info:
+            read_requests(p, skip_invalid=skip)
+        assert str(info.value) == f"no requests in {p}"
+        assert info.value.errors == []
+
+
+def test_all_invalid_with_skip_invalid_is_an_error(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text("[]\n{}\n")
+    with pytest.raises(InputFileError) as info:
+        read_requests(p, skip_invalid=True)
+    assert str(info.value).splitlines()[-1] == f"no valid requests in {p}"
+    assert [e.line for e in info.value.errors] == [1, 2]
+
+
+def test_reads_stdin_and_file_objects(monkeypatch):
+    data = b'\xef\xbb\xbf{"prompt": "from stdin"}\n'
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(data)))
+    parsed = read_requests("-")
+    assert [r.prompt for r in parsed.requests] == ["from stdin"]
+    with pytest.raises(InputFileError) as info:
+        read_requests(io.BytesIO(b"[]\n"))
+    assert str(info.value).startswith("<input>:1: ")
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\n")))
+    with pytest.raises(InputFileError, match="no requests in <stdin>"):
+        read_requests("-")
+
+
+def test_text_file_objects_work_too():
+    parsed = read_requests(io.StringIO('\ufeff{"prompt": "é"}\n{"prompt": "b"}'))
+    assert [r.prompt for r in parsed.requests] == ["é", "b"]
+
+
+def test_parsed_input_shape():
+    parsed = parse_lines([b"", b'{"prompt": "a"}', b"oops"])
+    assert isinstance(parsed, ParsedInput)
+    assert parsed.lines == [2]
+    assert [e.line for e in parsed.errors] == [3]
+
+
+# --------------------------------------------------------------------------------------
+# Fuzzing: parse_line only ever returns a Request or raises InvalidLine.
+
+_KEYS = [*Request.__struct_fields__, "custom_id", "method", "url", "body", "model", "x"]
+_BODY_KEYS = [
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "n",
+    "stream",
+    "logprobs",
+    "top_logprobs",
+    "frequency_penalty",
+    "presence_penalty",
+    "model",
+    "user",
+    "metadata",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "echo",
+    "best_of",
+    "tools",
+]
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8)
+    | st.sampled_from(["POST", "GET", "/v1/chat/completions", "/v1/completions", "user", "text"])
+)
+_json = st.recursive(
+    _scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(
+            st.sampled_from([*_KEYS, *_BODY_KEYS, "role", "content", "type"]), inner, max_size=5
+        )
+    ),
+    max_leaves=12,
+)
+_part = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "image_url", "input_audio", "other", None, 3, [], {}])},
+    optional={"text": _json, "image_url": _json},
+)
+_message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "system", "", 3]),
+        "content": _json | st.lists(_part | _json, max_size=3),
+    },
+    optional={"name": _json, "type": _json},
+)
+_openai_lines = st.fixed_dictionaries(
+    {
+        "custom_id": st.one_of(st.text(max_size=4), st.integers(), st.none()),
+        "method": st.sampled_from(["POST", "GET", None]),
+        "url": st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/x", None]),
+        "body": st.dictionaries(
+            st.sampled_from(_BODY_KEYS), _json | st.lists(_message, max_size=3), max_size=6
+        )
+        | _json,
+    }
+)
+_mlxq_lines = st.dictionaries(
+    st.sampled_from(_KEYS), _json | st.lists(_message, max_size=3), max_size=6
+)
+
+
+def _check_parse(raw: bytes | str) -> None:
+    try:
+        r = parse_line(raw, 5)
+    except InvalidLine as e:
+        assert e.line == 5
+        assert isinstance(e.message, str) and e.message
+        assert "\n" not in e.message
+        return
+    assert isinstance(r, Request)
+    assert r.custom_id
+    json_encoder.encode(r)  # it can go to Redis
+
+
+# MLXQ_FUZZ_EXAMPLES=20000 fuzzes harder; no example database, so no .hypothesis/ folder.
+_EXAMPLES = int(os.environ.get("MLXQ_FUZZ_EXAMPLES", "300"))
+_fuzz = settings(
+    max_examples=_EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+@_fuzz
+@given(st.binary(max_size=200))
+def test_fuzz_random_bytes(raw):
+    _check_parse(raw)
+
+
+@_fuzz
+@given(st.text(max_size=100))
+def test_fuzz_random_text(raw):
+    _check_parse(raw)
+
+
+@_fuzz
+@given(_json | _mlxq_lines | _openai_lines)
+def test_fuzz_json_objects(obj):
+    _check_parse(json.dumps(obj))
+
+
+@_fuzz
+@given(_mlxq_lines | _openai_lines, st.integers(0, 10_000))
+def test_fuzz_mutated_json(obj, seed):
+    raw = bytearray(json.dumps(obj).encode())
+    if raw:
+        raw[seed % len(raw)] = seed % 256
+    _check_parse(bytes(raw))
+
+
+@settings(_fuzz, max_examples=max(1, _EXAMPLES // 3))
+@given(st.lists(st.binary(max_size=40) | _mlxq_lines.map(json.dumps).map(str.encode), max_size=8))
+def test_fuzz_parse_lines_never_raises(lines):
+    parsed = parse_lines(lines)
+    assert len(parsed.requests) == len(parsed.lines)
+    assert parsed.lines == sorted(parsed.lines)
+    ids = [r.custom_id for r in parsed.requests]
+    assert len(ids) == len(set(ids))
+    assert not {e.line for e in parsed.errors} & set(parsed.lines)
+
+
+_requests = st.builds(
+    Request,
+    prompt=st.one_of(
+        st.text(min_size=1, max_size=10), st.lists(st.integers(0, 2**20), min_size=1, max_size=5)
+    ),
+    max_tokens=st.integers(1, 1_000_000),
+    temperature=st.floats(0, 10),
+    top_p=st.floats(0, 1),
+    top_k=st.integers(0, 100),
+    seed=st.none() | st.integers(0, 2**32 - 1),
+    stop=st.lists(st.text(min_size=1, max_size=4), max_size=2),
+    logprobs=st.none() | st.integers(0, 20),
+    custom_id=st.text(min_size=1, max_size=12),
+)
+
+
+@_fuzz
+@given(_requests)
+def test_fuzz_valid_requests_round_trip(req):
+    assert parse_line(json_encoder.encode(req), 1) == req
+
+
+def test_error_messages_name_a_field_or_say_what_is_wrong():
+    # A regression guard for the message style: "field: what (got value); how to fix".
+    with pytest.raises(InvalidLine) as info:
+        request_from_openai(chat(top_p=-0.5), 9)
+    assert re.fullmatch(
+        r"body\.top_p: Expected `float` >= 0\.0 \(got -0\.5\); set top_p to .*", info.value.message
+    )
