@@ -174,7 +174,8 @@ def _wait_with_bar(conn: redis.Redis, batch_id: str, timeout: float | None) -> B
     with _bar(info.total, f"batch {batch_id}") as bar:
 
         def progress(s: BatchStatus) -> None:
-            bar.label = f"batch {batch_id} ({s.started} running, {s.failed} failed)"
+            if sys.stderr.isatty():  # a changing label reprints the line when piped
+                bar.label = f"batch {batch_id} ({s.started} running, {s.failed} failed)"
             bar.update(s.done - bar.pos)
 
         try:
@@ -210,6 +211,8 @@ def _wait_and_write(
 
 
 def _emit_results(conn: redis.Redis, batch_id: str, output: str) -> None:
+    if output != "-":
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
     with click.open_file(output, "w") as out:
         written, missing = _write_results(conn, batch_id, out)
     if output != "-":
@@ -357,7 +360,7 @@ def worker(
         name=name,
     )
     conn = _connect(redis_url)
-    run_worker(prof, conn, burst=burst)
+    run_worker(prof, conn, burst=burst, log_level=log_level)
 
 
 @cli.command()
@@ -398,7 +401,9 @@ def run(
     from mlxq.launch import run_worker
     from mlxq.server import embedded
 
-    _setup_logging(log_level if log_level.upper() != "INFO" else "WARNING")
+    # A progress bar shows the run; per-job log lines would drown it.
+    log_level = "WARNING" if log_level.upper() == "INFO" else log_level
+    _setup_logging(log_level)
     prof = _profile(
         profile,
         model=model,
@@ -429,10 +434,19 @@ def run(
 
             def on_finish(n: int) -> None:
                 tokens[0] += n
-                bar.label = f"generating ({tokens[0] / (time.monotonic() - start):.0f} tok/s)"
+                if sys.stderr.isatty():  # a changing label reprints the line when piped
+                    rate = tokens[0] / (time.monotonic() - start)
+                    bar.label = f"generating ({rate:.0f} tok/s)"
                 bar.update(1)
 
-            run_worker(prof, conn, burst=True, queues=[queue_name], on_finish=on_finish)
+            run_worker(
+                prof,
+                conn,
+                burst=True,
+                queues=[queue_name],
+                on_finish=on_finish,
+                log_level=log_level,
+            )
         s = q.batch_status(conn, batch_id)
         click.echo(
             f"{s.finished} finished, {s.failed} failed in {time.monotonic() - start:.1f}s", err=True

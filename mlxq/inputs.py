@@ -139,7 +139,8 @@ def read_requests(
     line ending) is reported without being decoded or held in memory. With
     ``skip_invalid=False`` any bad line raises :class:`InputFileError` listing all of
     them; with ``skip_invalid=True`` the valid requests are returned and the bad lines are
-    in ``errors``. A file with no valid request at all always raises.
+    in ``errors``. A file with no valid request at all always raises. ``path`` may also
+    be an open binary file (or a text one, whose limit then counts characters).
     """
     if isinstance(path, str) and path == "-":
         return _read_stream(sys.stdin.buffer, "<stdin>", skip_invalid, max_line_bytes)

@@ -96,6 +96,7 @@ def run_worker(
     burst: bool = False,
     queues: list[str] | None = None,
     on_finish: Callable[[int], None] | None = None,
+    log_level: str = "INFO",
 ) -> MlxqWorker:
     """Load the model, then serve ``queues`` until stopped (or empty, with ``burst``)."""
     runner = make_runner(profile)
@@ -111,7 +112,7 @@ def run_worker(
     )
     worker.on_finish = on_finish
     try:
-        worker.work(burst=burst)
+        worker.work(burst=burst, logging_level=log_level)
     finally:
         runner.stop()
     return worker

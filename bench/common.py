@@ -1,0 +1,113 @@
+"""Helpers shared by the benchmark scripts: OpenBLAS, Redis, quiet logs, tables, JSON.
+
+Imported as ``common`` by scripts run as ``python bench/NAME.py`` (their folder is then
+the first entry of ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+# The tokenizer-only install of transformers warns about PyTorch on import.
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def use_openblas() -> None:
+    """Re-execute under OpenBLAS on Linux CPUs (as the ``mlxq`` command does); else return."""
+    from mlxq.blas import reexec_with_openblas
+
+    reexec_with_openblas()
+
+
+def quiet_logs() -> None:
+    """Only warnings from RQ and mlxq: a per-job INFO line would cost time and flood output."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    for name in ("rq", "rq.worker", "rq.job", "mlxq"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+@contextlib.contextmanager
+def redis_url(url: str | None) -> Iterator[str]:
+    """``url`` as given, or the URL of an embedded Valkey that lives for the block."""
+    if url:
+        yield url
+        return
+    from mlxq.server import embedded
+
+    with embedded() as local:
+        yield local
+
+
+def bench_queue() -> str:
+    """A queue name no worker of a shared Redis listens on."""
+    return f"mlxq-bench-{uuid.uuid4().hex[:8]}"
+
+
+# Jobs and results the benchmarks leave in a shared Redis expire after this long.
+BENCH_RESULT_TTL = 600
+
+
+def describe_device() -> str:
+    """``backend name``, e.g. ``cuda NVIDIA H200`` or ``cpu AMD EPYC``."""
+    from mlxq.hardware import device_facts
+
+    facts = device_facts()
+    return f"{facts.backend} {facts.name}".strip()
+
+
+class Stopwatch:
+    """Wall seconds (``perf_counter``) between construction and ``stop``."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.seconds = 0.0
+
+    def stop(self) -> float:
+        self.seconds = time.perf_counter() - self.start
+        return self.seconds
+
+
+def rate(count: float, seconds: float | None) -> float | None:
+    """``count / seconds``, or None when there is no time to divide by."""
+    return count / seconds if seconds and seconds > 0 else None
+
+
+def fmt_num(value: float | None, digits: int = 1) -> str:
+    """A figure for a table: thousands separators, ``-`` when missing."""
+    if value is None:
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def fmt_ratio(value: float | None, base: float | None) -> str:
+    """``value / base`` as ``1.23x``, or ``-``."""
+    if value is None or not base:
+        return "-"
+    return f"{value / base:.2f}x"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain-text table: first column left-aligned, the others right-aligned."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        first = str(cells[0]).ljust(widths[0])
+        rest = [str(c).rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True)]
+        return "   ".join([first, *rest]).rstrip()
+
+    return "\n".join([line(headers), *(line(r) for r in rows)])
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    """Write ``data`` as indented JSON (the only file a benchmark writes)."""
+    Path(path).write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    print(f"figures written to {path}")

@@ -1,0 +1,577 @@
+"""Generation throughput of mlxq next to plain mlx-lm, on the same model and requests.
+
+Modes (all greedy, all forced to generate ``max_tokens``: EOS ids are switched off):
+
+- ``naive``: one request at a time with ``mlx_lm.stream_generate``;
+- ``batch_generate``: ``mlx_lm.batch_generate`` with its default batch sizes;
+- ``raw``: ``mlx_lm``'s ``BatchGenerator`` at mlxq's batch size, everything inserted up
+  front and drained with ``next()`` (the ceiling for mlxq's engine);
+- ``mlxq``: end to end through Redis: submit, an ``MlxqWorker`` in burst mode on this
+  process's main thread (the engine runs the in-memory model on the Runner's thread),
+  results read back; timed from the start of the submit to the last result read.
+
+Usage: ``python bench/throughput.py --preset llama-3.2-1b --workload all``
+(see bench/README.md). Writes nothing unless ``--json PATH`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import inspect
+import math
+import random
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common import (
+    BENCH_RESULT_TTL,
+    Stopwatch,
+    bench_queue,
+    describe_device,
+    fmt_num,
+    fmt_ratio,
+    quiet_logs,
+    rate,
+    redis_url,
+    table,
+    use_openblas,
+    write_json,
+)
+
+MODES = ("naive", "batch_generate", "raw", "mlxq")
+WORKLOADS = ("uniform", "mixed", "prefix")
+# mixed: prompt and output lengths drawn log-uniformly from these ranges (inclusive).
+MIXED_PROMPT = (16, 1024)
+MIXED_GEN = (16, 256)
+# prefix: unique suffix lengths after the shared prefix.
+PREFIX_SUFFIX = (8, 32)
+SEED = 0
+
+
+# -- model -------------------------------------------------------------------------------
+def preset_tokenizer() -> Any:
+    """The presets' tokenizer as mlx-lm's ``TokenizerWrapper``, built in memory."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
+    from transformers import PreTrainedTokenizerFast
+
+    from mlxq.make_model import BOS, CHAT_TEMPLATE, END, EOS_IDS, EOT, build_tokenizer
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=build_tokenizer(), bos_token=BOS, eos_token=EOT, pad_token=END
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    return TokenizerWrapper(hf, BPEStreamingDetokenizer, eos_token_ids=EOS_IDS)
+
+
+def load(args: argparse.Namespace) -> tuple[Any, Any, str]:
+    """``(model, tokenizer, name)``: a random-weight preset built in memory, or ``--model``."""
+    if args.model:
+        import mlx_lm
+
+        model, tokenizer = mlx_lm.load(args.model)[:2]
+        return model, tokenizer, Path(args.model.rstrip("/")).name or args.model
+
+    from mlxq.make_model import build_model
+
+    model, _ = build_model(args.preset, seed=SEED)
+    return model, preset_tokenizer(), args.preset
+
+
+def token_pool(tokenizer: Any, vocab_size: int) -> list[int]:
+    """Ids prompts are drawn from: in both vocabularies, no special tokens."""
+    special = set(getattr(tokenizer, "all_special_ids", None) or [])
+    special |= set(tokenizer.eos_token_ids)
+    return [i for i in range(min(len(tokenizer), vocab_size)) if i not in special]
+
+
+# -- workloads ---------------------------------------------------------------------------
+@dataclass
+class Workload:
+    """The requests every mode runs: prompts as token ids and their ``max_tokens``."""
+
+    name: str
+    label: str
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def gen_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
+    return min(hi, max(lo, round(math.exp(rng.uniform(math.log(lo), math.log(hi))))))
+
+
+def make_workload(kind: str, args: argparse.Namespace, pool: list[int]) -> Workload:
+    """The requests of one workload, the same on every run (fixed seed)."""
+    rng = random.Random(f"{kind}-{SEED}")
+    n = args.requests
+    if kind == "uniform":
+        p, g = args.prompt_tokens, args.gen_tokens
+        prompts = [rng.choices(pool, k=p) for _ in range(n)]
+        return Workload(kind, f"uniform {n} x ({p}+{g})", prompts, [g] * n)
+    if kind == "mixed":
+        lens = [_log_uniform(rng, *MIXED_PROMPT) for _ in range(n)]
+        gens = [_log_uniform(rng, *MIXED_GEN) for _ in range(n)]
+        prompts = [rng.choices(pool, k=k) for k in lens]
+        label = (
+            f"mixed {n} x ({MIXED_PROMPT[0]}..{MIXED_PROMPT[1]} + {MIXED_GEN[0]}..{MIXED_GEN[1]}"
+            f" log-uniform, mean {sum(lens) / n:.0f}+{sum(gens) / n:.0f})"
+        )
+        return Workload(kind, label, prompts, gens)
+    if kind == "prefix":
+        shared, g = rng.choices(pool, k=args.prefix_tokens), args.gen_tokens
+        prompts = [shared + rng.choices(pool, k=rng.randint(*PREFIX_SUFFIX)) for _ in range(n)]
+        lo, hi = PREFIX_SUFFIX
+        label = f"prefix {n} x ({args.prefix_tokens} shared + {lo}..{hi} unique + {g})"
+        return Workload(kind, label, prompts, [g] * n)
+    raise ValueError(f"unknown workload {kind!r}")
+
+
+# -- results -----------------------------------------------------------------------------
+@dataclass
+class ModeResult:
+    """One mode's figures on one workload."""
+
+    mode: str
+    wall_s: float
+    gen_tokens: int  # generated tokens counted (naive: of the timed requests only)
+    prompt_tokens: int
+    prompt_tps: float | None
+    peak_gb: float | None = None
+    timed_requests: int | None = None  # naive: requests actually run, when extrapolated
+    expected_gen_tokens: int = 0
+    errors: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def extrapolated(self) -> bool:
+        return self.timed_requests is not None
+
+    @property
+    def gen_tps(self) -> float | None:
+        total = self.expected_gen_tokens if self.extrapolated else self.gen_tokens
+        return rate(total, self.wall_s)
+
+
+def _peak_gb() -> float | None:
+    import mlx.core as mx
+
+    try:
+        return mx.get_peak_memory() / 1e9
+    except Exception:  # not every backend reports it
+        return None
+
+
+def _fresh() -> None:
+    """Release what the previous mode left: cached buffers and the peak-memory mark."""
+    import mlx.core as mx
+
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+
+
+# -- modes -------------------------------------------------------------------------------
+def run_naive(model: Any, tokenizer: Any, wl: Workload, limit: int) -> ModeResult:
+    """One request at a time; with ``limit`` only the first requests, then extrapolate.
+
+    The estimate for all requests is prompt tokens at the measured prefill rate plus
+    generated tokens at the measured decode rate (both from the timed requests).
+    """
+    from mlx_lm import stream_generate
+
+    n = len(wl.prompts)
+    k = n if limit <= 0 else min(limit, n)
+    prefill_s = decode_s = 0.0
+    gen = prompt = 0
+    clock = Stopwatch()
+    for tokens, max_tokens in zip(wl.prompts[:k], wl.max_tokens[:k], strict=True):
+        t0 = time.perf_counter()
+        last = None
+        for last in stream_generate(model, tokenizer, tokens, max_tokens=max_tokens):
+            pass
+        assert last is not None
+        seconds = time.perf_counter() - t0
+        p_s = last.prompt_tokens / last.prompt_tps  # prefill + first token
+        prefill_s, decode_s = prefill_s + p_s, decode_s + seconds - p_s
+        gen, prompt = gen + last.generation_tokens, prompt + last.prompt_tokens
+    wall = clock.stop()
+    result = ModeResult("naive", wall, gen, prompt, rate(prompt, prefill_s), _peak_gb())
+    result.expected_gen_tokens = wl.gen_tokens
+    if k < n:
+        result.timed_requests = k
+        result.extra = {"timed_wall_s": wall, "timed_gen_tokens": gen}
+        per_prompt = prefill_s / prompt if prompt else 0.0
+        per_gen = decode_s / gen if gen else 0.0
+        result.wall_s = wl.prompt_tokens * per_prompt + wl.gen_tokens * per_gen
+        result.prompt_tokens = wl.prompt_tokens
+    return result
+
+
+def run_batch_generate(model: Any, tokenizer: Any, wl: Workload) -> ModeResult:
+    """``mlx_lm.batch_generate`` with its default batch sizes."""
+    from mlx_lm import batch_generate
+
+    clock = Stopwatch()
+    out = batch_generate(
+        model, tokenizer, wl.prompts, max_tokens=list(wl.max_tokens), return_token_ids=True
+    )
+    wall = clock.stop()
+    gen = sum(len(t) for t in out.token_ids or [])
+    result = ModeResult("batch_generate", wall, gen, wl.prompt_tokens, out.stats.prompt_tps)
+    result.peak_gb, result.expected_gen_tokens = _peak_gb(), wl.gen_tokens
+    return result
+
+
+def run_raw(model: Any, wl: Workload, batch: int, prefill_batch: int, prefill_step: int):
+    """``BatchGenerator`` at mlxq's sizes: all requests inserted up front, drained."""
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.sample_utils import greedy_sampler
+
+    gen = BatchGenerator(
+        model,
+        stop_tokens=None,
+        sampler=greedy_sampler,
+        completion_batch_size=batch,
+        prefill_batch_size=prefill_batch,
+        prefill_step_size=prefill_step,
+    )
+    n, finished, tokens = len(wl.prompts), 0, 0
+    try:
+        clock = Stopwatch()
+        with gen.stats() as stats:
+            gen.insert(wl.prompts, list(wl.max_tokens))
+            while finished < n:
+                prompt_responses, responses = gen.next()
+                if not prompt_responses and not responses:
+                    break  # nothing left to do (should not happen)
+                tokens += len(responses)
+                finished += sum(r.finish_reason is not None for r in responses)
+        wall = clock.stop()
+    finally:
+        gen.close()
+    result = ModeResult("raw", wall, tokens, wl.prompt_tokens, stats.prompt_tps, _peak_gb())
+    result.expected_gen_tokens = wl.gen_tokens
+    result.errors = n - finished
+    return result
+
+
+def _counters(engine: Any) -> Any:
+    """A reading of the engine's BatchGenerator counters (private: None if it moved)."""
+    from mlx_lm.generate_utils import BatchCountersSnapshot
+
+    counters = getattr(getattr(engine, "_gen", None), "_counters", None)
+    return None if counters is None else BatchCountersSnapshot(**asdict(counters))
+
+
+def run_mlxq(model: Any, tokenizer: Any, name: str, wl: Workload, profile: Any, url: str):
+    """Submit, run a burst worker on the main thread, read every result back."""
+    from mlx_lm.generate_utils import BatchCountersSnapshot
+
+    from mlxq.engine import Engine
+    from mlxq.launch import build_scheduler
+    from mlxq.queue import connect, iter_batch_results, submit
+    from mlxq.runner import Runner
+    from mlxq.scheduler import MAX_AUTO_BATCH
+    from mlxq.types import Request
+    from mlxq.worker import MlxqWorker
+
+    readings: dict[str, Any] = {}
+
+    def make_engine() -> Engine:  # as mlxq.launch.make_runner, on the loaded model
+        engine = Engine.from_loaded(
+            model,
+            tokenizer,
+            name,
+            max_batch=profile.max_batch or MAX_AUTO_BATCH,
+            prefill_batch=profile.prefill_batch,
+            prefill_step=profile.prefill_step,
+        )
+        engine.warmup()
+        readings["start"] = _counters(engine)
+        return engine
+
+    runner = Runner(make_engine, lambda engine: build_scheduler(engine, profile))
+    runner.start()
+    conn = connect(url)
+    queue = bench_queue()
+    requests = [
+        Request(prompt=p, max_tokens=m) for p, m in zip(wl.prompts, wl.max_tokens, strict=True)
+    ]
+    worker = MlxqWorker([queue], connection=conn, runner=runner, model_name=name)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        clock = Stopwatch()
+        batch = submit(conn, requests, queue=queue, result_ttl=BENCH_RESULT_TTL)
+        submit_s = time.perf_counter() - clock.start
+        worker.work(burst=True, logging_level="WARNING")
+        work_s = time.perf_counter() - clock.start - submit_s
+        results = list(iter_batch_results(conn, batch.batch_id))
+        wall = clock.stop()
+    finally:
+        runner.stop()
+        for sig, handler in handlers.items():  # the worker installed its own
+            signal.signal(sig, handler)
+        conn.close()
+    done = [r for r in results if r is not None and r.finish_reason in ("length", "stop")]
+    gen = sum(r.usage.completion_tokens for r in done)
+    start, end = readings.get("start"), _counters(runner.engine)
+    prompt_tps = None
+    if start is not None and end is not None:
+        prompt_tps = BatchCountersSnapshot.between(start, end).prompt_tps
+    result = ModeResult("mlxq", wall, gen, wl.prompt_tokens, prompt_tps, _peak_gb())
+    result.expected_gen_tokens, result.errors = wl.gen_tokens, len(results) - len(done)
+    read_s = wall - submit_s - work_s
+    result.extra = {"submit_s": submit_s, "worker_s": work_s, "read_s": read_s}
+    return result
+
+
+# -- report ------------------------------------------------------------------------------
+def model_line(info: Any) -> str:
+    size = info.param_bytes / 2**30
+    return (
+        f"model {info.name} ({info.model_type}, {info.num_layers} layers, hidden "
+        f"{info.hidden_size}, {info.dtype}, {size:.2f} GiB)"
+    )
+
+
+def report(header: str, results: list[ModeResult], wl: Workload) -> str:
+    by_mode = {r.mode: r for r in results}
+    base_bg = by_mode["batch_generate"].gen_tps if "batch_generate" in by_mode else None
+    base_raw = by_mode["raw"].gen_tps if "raw" in by_mode else None
+    headers = ["mode", "gen tok/s", "prompt tok/s", "wall s", "gen tokens", "peak GB"]
+    headers += ["vs batch_generate", "vs raw"]
+    rows, notes = [], []
+    for r in results:
+        mark = "*" if r.extrapolated else ""
+        if not r.extrapolated and (r.gen_tokens != r.expected_gen_tokens or r.errors):
+            mark = "!"
+            notes.append(
+                f"! {r.mode}: generated {r.gen_tokens:,} of {r.expected_gen_tokens:,} "
+                f"expected tokens, {r.errors} requests failed or unfinished"
+            )
+        rows.append(
+            [
+                r.mode + mark,
+                fmt_num(r.gen_tps),
+                fmt_num(r.prompt_tps),
+                fmt_num(r.wall_s, 2),
+                f"{r.gen_tokens:,}",
+                fmt_num(r.peak_gb, 2),
+                fmt_ratio(r.gen_tps, base_bg),
+                fmt_ratio(r.gen_tps, base_raw),
+            ]
+        )
+        if r.extrapolated:
+            notes.append(
+                f"* {r.mode}: timed on the first {r.timed_requests} of {len(wl.prompts)} "
+                f"requests ({r.extra['timed_gen_tokens']:,} tokens in "
+                f"{r.extra['timed_wall_s']:.2f} s); wall s and gen tok/s are extrapolated to "
+                f"all {wl.gen_tokens:,} tokens from its prefill and decode rates"
+            )
+        if r.mode == "mlxq":
+            e = r.extra
+            notes.append(
+                f"  mlxq: submit {e['submit_s']:.2f} s + worker {e['worker_s']:.2f} s + "
+                f"read results {e['read_s']:.2f} s"
+            )
+    lines = [header, table(headers, rows), *notes]
+    return "\n".join(lines)
+
+
+# -- main --------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from mlxq.make_model import PRESETS
+
+    ap = argparse.ArgumentParser(
+        description="Generation throughput: naive, batch_generate, raw BatchGenerator, mlxq.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                     help="random-weight model built in memory")
+    src.add_argument("--model", help="a model folder or hub id for mlx_lm.load instead")
+    ap.add_argument("--workload", default="uniform", choices=[*WORKLOADS, "all"])
+    ap.add_argument("--requests", type=int, default=256, help="requests per workload")
+    ap.add_argument("--prompt-tokens", type=int, default=128, help="uniform: prompt length")
+    ap.add_argument("--gen-tokens", type=int, default=128,
+                    help="uniform and prefix: max_tokens (always generated in full)")
+    ap.add_argument("--prefix-tokens", type=int, default=1000,
+                    help="prefix: length of the shared prefix")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="mlxq's batch size (also raw's); default: what mlxq picks on this "
+                         "device (build_scheduler / auto_max_batch)")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="comma-separated subset of " + ",".join(MODES))
+    ap.add_argument("--naive-requests", type=int, default=16,
+                    help="naive: time only the first N requests and extrapolate (0: all)")
+    ap.add_argument("--redis-url", default=None,
+                    help="mlxq mode: this Redis instead of an embedded Valkey (a private "
+                         "queue is used; jobs expire after 10 minutes)")
+    ap.add_argument("--json", metavar="PATH", help="also write the figures here")
+    args = ap.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = sorted(set(modes) - set(MODES))
+    if bad or not modes:
+        ap.error(f"--modes: unknown {', '.join(bad) or '(none given)'}; choose from {MODES}")
+    args.modes = [m for m in MODES if m in modes]
+    if args.requests < 1 or args.prompt_tokens < 1 or args.gen_tokens < 1:
+        ap.error("--requests, --prompt-tokens and --gen-tokens must be at least 1")
+    if args.batch is not None and args.batch < 1:
+        ap.error("--batch must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    use_openblas()
+    args = parse_args(argv)
+    quiet_logs()
+
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+    from mlx_lm.generate import BatchGenerator
+
+    from mlxq.engine import model_info
+    from mlxq.launch import build_scheduler
+    from mlxq.profile import WorkerProfile
+
+    clock = Stopwatch()
+    model, tokenizer, name = load(args)
+    info = model_info(model, name, vocab_size=len(tokenizer))
+    pool = token_pool(tokenizer, info.vocab_size)
+    tokenizer.eos_token_ids = []  # every mode generates max_tokens: no EOS stops
+    print(f"loaded {name} in {clock.stop():.1f} s", file=sys.stderr)
+
+    # mlxq's own sizing: the scheduler's batch is what the worker admits.
+    profile = WorkerProfile(max_batch=args.batch)
+    scheduler = build_scheduler(_InfoOnly(info), profile)
+    batch, prefill_batch = scheduler.max_batch, profile.prefill_batch
+    how = "given" if args.batch else "auto"
+    defaults = inspect.signature(BatchGenerator.__init__).parameters
+    bg_batch = defaults["completion_batch_size"].default
+    bg_prefill = defaults["prefill_batch_size"].default
+
+    workloads = [make_workload(k, args, pool) for k in (WORKLOADS if args.workload == "all"
+                                                         else [args.workload])]
+    for wl in workloads:
+        longest = max(len(p) + m for p, m in zip(wl.prompts, wl.max_tokens, strict=True))
+        if longest > info.context_length:
+            sys.exit(f"{wl.name}: a request needs {longest} tokens but the context of {name} "
+                     f"is {info.context_length}: lower the lengths")
+
+    # Warm-up: compile and allocate once, outside every timed mode.
+    clock = Stopwatch()
+    for _ in stream_generate(model, tokenizer, pool[:32], max_tokens=8):
+        pass
+    warm = BatchGenerator(model, stop_tokens=None, completion_batch_size=4, prefill_batch_size=4)
+    warm.insert([pool[:16], pool[:40], pool[:7], pool[:64]], [8, 8, 8, 8])
+    while warm.next_generated():
+        pass
+    warm.close()
+    print(f"warm-up {clock.stop():.1f} s", file=sys.stderr)
+
+    device = describe_device()
+    out: dict[str, Any] = {
+        "model": {**_struct_dict(info)},
+        "device": device,
+        "mlxq_batch": batch,
+        "mlxq_batch_source": how,
+        "prefill_batch": prefill_batch,
+        "prefill_step": profile.prefill_step,
+        "batch_generate_defaults": {"completion_batch_size": bg_batch,
+                                    "prefill_batch_size": bg_prefill},
+        "args": {k: v for k, v in vars(args).items() if k != "json"},
+        "workloads": [],
+    }
+    server = redis_url(args.redis_url) if "mlxq" in args.modes else contextlib.nullcontext("")
+    with server as url:
+        for wl in workloads:
+            results = []
+            for mode in args.modes:
+                _fresh()
+                print(f"{wl.name}: {mode} ...", file=sys.stderr)
+                if mode == "naive":
+                    r = run_naive(model, tokenizer, wl, args.naive_requests)
+                elif mode == "batch_generate":
+                    r = run_batch_generate(model, tokenizer, wl)
+                elif mode == "raw":
+                    r = run_raw(model, wl, batch, prefill_batch, profile.prefill_step)
+                else:
+                    r = run_mlxq(model, tokenizer, name, wl, profile, url)
+                results.append(r)
+            header = (
+                f"{model_line(info)} on {device} | workload {wl.label} | mlxq batch {batch} "
+                f"({how}), prefill batch {prefill_batch} | batch_generate: mlx-lm defaults "
+                f"(batch {bg_batch}, prefill batch {bg_prefill})"
+            )
+            print()
+            print(report(header, results, wl))
+            sys.stdout.flush()
+            out["workloads"].append(_workload_json(wl, results))
+    _fresh()
+    if args.json:
+        write_json(args.json, out)
+    return 0
+
+
+class _InfoOnly:
+    """What ``build_scheduler`` reads of an engine: its ``info``."""
+
+    def __init__(self, info: Any) -> None:
+        self.info = info
+
+
+def _struct_dict(obj: Any) -> dict[str, Any]:
+    import msgspec
+
+    return msgspec.to_builtins(obj)
+
+
+def _workload_json(wl: Workload, results: list[ModeResult]) -> dict[str, Any]:
+    by_mode = {r.mode: r.gen_tps for r in results}
+    rows = []
+    for r in results:
+        row = {
+            "mode": r.mode,
+            "gen_tps": r.gen_tps,
+            "prompt_tps": r.prompt_tps,
+            "wall_s": r.wall_s,
+            "gen_tokens": r.gen_tokens,
+            "expected_gen_tokens": r.expected_gen_tokens,
+            "prompt_tokens": r.prompt_tokens,
+            "peak_gb": r.peak_gb,
+            "errors": r.errors,
+            "extrapolated_from_requests": r.timed_requests,
+            "vs_batch_generate": _ratio(r.gen_tps, by_mode.get("batch_generate")),
+            "vs_raw": _ratio(r.gen_tps, by_mode.get("raw")),
+            **r.extra,
+        }
+        rows.append(row)
+    return {
+        "workload": wl.name,
+        "label": wl.label,
+        "requests": len(wl.prompts),
+        "prompt_tokens": wl.prompt_tokens,
+        "gen_tokens": wl.gen_tokens,
+        "modes": rows,
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
