@@ -78,8 +78,13 @@ class Client:
 
 
 def _as_request(obj: Request | Mapping[str, Any], index: int) -> Request:
+    """A Request from a Request, an mlxq dict, or an OpenAI Batch API line."""
     if isinstance(obj, Request):
         return obj
+    if "body" in obj and "url" in obj:
+        from mlxq.inputs import request_from_openai
+
+        return request_from_openai(dict(obj), index)
     try:
         return msgspec.convert(dict(obj), Request)
     except msgspec.ValidationError as e:

@@ -70,3 +70,46 @@ def test_worker_registers_with_rq_and_finishes_jobs_through_rq(conn, profile):
     rv = job.return_value()
     assert rv["job_id"] == ids[3] and rv["batch_id"] == info.batch_id and rv["index"] == 3
     assert Queue("wq", connection=conn, serializer=serializer).started_job_registry.count == 0
+
+
+def test_python_client_submits_waits_and_fetches_one(conn, profile, valkey_url):
+    from mlxq.client import Client
+
+    client = Client(valkey_url)
+    batch = client.submit(
+        [{"prompt": "Hello", "max_tokens": 4, "custom_id": "h1"}, Request(prompt="Bye")],
+        queue="cq",
+    )
+    job_id = client.submit_one({"prompt": "Solo", "max_tokens": 3}, queue="cq")
+    assert client.result(job_id, timeout=0) is None
+    assert client.status(batch.batch_id).queued == 2
+    run_worker(profile, conn, burst=True, queues=["cq"])
+    results = client.wait(batch.batch_id, timeout=5)
+    assert [r.custom_id for r in results] == ["h1", None]
+    assert results[1].usage.completion_tokens > 0
+    one = client.result(job_id, timeout=5)
+    assert one is not None and one.job_id == job_id and len(one.token_ids) <= 3
+
+
+def test_client_rejects_invalid_requests_before_enqueueing(conn, valkey_url):
+    from mlxq.client import Client
+
+    with pytest.raises(ValueError, match=r"request 1: .*max_tokens"):
+        Client(valkey_url).submit([{"prompt": "ok"}, {"prompt": "x", "max_tokens": 0}], queue="cq")
+    assert conn.llen("rq:queue:cq") == 0
+
+
+def test_client_takes_openai_batch_lines(conn, valkey_url):
+    from mlxq.client import Client
+
+    line = {
+        "custom_id": "oa",
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": "m", "prompt": "Hi", "max_tokens": 5},
+    }
+    batch = Client(valkey_url).submit([line], queue="cq")
+    job = Job.fetch(
+        q.batch_job_ids(conn, batch.batch_id)[0], connection=conn, serializer=serializer
+    )
+    assert job.args[0]["prompt"] == "Hi" and job.args[0]["max_tokens"] == 5
