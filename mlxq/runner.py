@@ -47,7 +47,7 @@ class Runner:
     ) -> None:
         self._make_engine = make_engine
         self._make_scheduler = make_scheduler
-        self._inbox: queue.SimpleQueue[Work | _Cancel | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[list[Work] | _Cancel | None] = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[Completion] = queue.SimpleQueue()
         self._pending: deque[Work] = deque()
         self._ready = threading.Event()
@@ -67,9 +67,9 @@ class Runner:
         assert self.engine is not None
         return self.engine.info
 
-    def submit(self, work: Work) -> None:
-        """Queue a tokenized job for admission into the running batch."""
-        self._inbox.put(work)
+    def submit(self, works: list[Work]) -> None:
+        """Queue tokenized jobs for admission into the running batch, as one group."""
+        self._inbox.put(works)
 
     def cancel(self, key: str) -> None:
         """Stop a job at the next step; its Completion says ``cancelled``."""
@@ -133,7 +133,7 @@ class Runner:
             if isinstance(item, _Cancel):
                 self._cancel(item.key)
             else:
-                self._pending.append(item)
+                self._pending.extend(item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

@@ -101,8 +101,8 @@ class MlxqWorker(BaseWorker):
         self._force_stop = True
 
     def execute_job(self, job: Job, queue: Queue) -> None:
-        """Start one job (RQ's hook; the batch loop calls ``_start`` for many)."""
-        self._start(job, queue)
+        """Start one job (RQ's hook; the batch loop starts jobs in groups)."""
+        self._start_group([(job, queue)])
 
     # -- the loop ------------------------------------------------------------------------
     def work(  # type: ignore[override]
@@ -137,25 +137,34 @@ class MlxqWorker(BaseWorker):
         return self.jobs_done > 0
 
     def _pull(self, block: bool) -> int:
-        """Dequeue up to the scheduler's free slots; returns how many jobs started."""
+        """Dequeue up to the scheduler's free slots, in groups; returns how many started.
+
+        Jobs reach the MLX thread a group at a time (one prefill batch), so they are
+        prefilled together rather than one prompt per step as they trickle in.
+        """
         scheduler = self.runner.scheduler
         assert scheduler is not None
         want = scheduler.fetch_count(len(self.inflight))
         if want <= 0 or (not block and time.monotonic() < self._next_pull_at):
             return 0
+        found = self._dequeue(IDLE_PULL_TIMEOUT_S) if block else None
+        group = [found] if found else []
         started = 0
-        timeout = IDLE_PULL_TIMEOUT_S if block else None
-        while started < want:
-            found = self._dequeue(timeout if started == 0 else None)
-            if found is None:
+        while True:
+            group += self._dequeue_many(min(scheduler.prefetch, want - started) - len(group))
+            if not group:
                 break
-            self._start(*found)
-            started += 1
+            self._start_group(group)
+            started += len(group)
+            if started >= want:
+                break
+            group = []
         if started < want:
             self._next_pull_at = time.monotonic() + EMPTY_PULL_BACKOFF_S
         return started
 
-    def _dequeue(self, timeout: int | None) -> tuple[Job, Queue] | None:
+    def _dequeue(self, timeout: int) -> tuple[Job, Queue] | None:
+        """Wait up to ``timeout`` seconds for one job (RQ's blocking dequeue)."""
         try:
             return self.queue_class.dequeue_any(
                 self._ordered_queues,
@@ -166,51 +175,81 @@ class MlxqWorker(BaseWorker):
             )
         except Exception as e:  # DequeueTimeout, or a job hash that cannot be read
             if type(e).__name__ != "DequeueTimeout":
-                self.log.error(
-                    "Worker %s: could not dequeue job %s: %s",
-                    self.name,
-                    getattr(e, "job_id", "?"),
-                    e,
-                )
+                self.log.error("Worker %s: could not dequeue: %s", self.name, e)
             return None
 
-    def _start(self, job: Job, queue: Queue) -> None:
-        """Register the job as an RQ execution and hand it to the MLX thread."""
-        execution = self._register(job, queue)
-        try:
-            request = decode_job(job)
-            engine = self.runner.engine
-            assert engine is not None and self.runner.scheduler is not None
-            tokens = engine.encode(request)
-            problem = self.runner.scheduler.fits_alone(len(tokens), request.max_tokens)
-            if problem:
-                raise JobRejected(problem)
-        except (JobRejected, JobInputError) as e:
-            self._fail(job, queue, execution, str(e))
-            return
-        meta = msgspec.convert(job.meta or {}, JobMeta)
-        self.inflight[job.id] = InFlight(job, queue, execution, request, meta, time.time())
-        self.runner.submit(Work(EngineJob(job.id, request), tokens))
+    def _dequeue_many(self, n: int) -> list[tuple[Job, Queue]]:
+        """Up to ``n`` jobs without blocking, in queue order, in a few round trips.
 
-    def _register(self, job: Job, queue: Queue) -> Execution:
-        """RQ's prepare_execution + prepare_job_execution, in one round trip.
+        Ids move to RQ's intermediate queue (as RQ's own LMOVE dequeue does) until the
+        job is registered, so a crash in between loses nothing.
+        """
+        out: list[tuple[Job, Queue]] = []
+        for queue in self._ordered_queues:
+            if len(out) >= n:
+                break
+            with self.connection.pipeline(transaction=False) as pipe:
+                for _ in range(n - len(out)):
+                    pipe.lmove(queue.key, queue.intermediate_queue_key)
+                ids = [i.decode() for i in pipe.execute() if i is not None]
+            if not ids:
+                continue
+            jobs = self.job_class.fetch_many(ids, self.connection, serializer=self.serializer)
+            for job_id, job in zip(ids, jobs, strict=True):
+                if job is None:  # deleted while queued: drop its id
+                    self.connection.lrem(queue.intermediate_queue_key, 1, job_id)
+                else:
+                    out.append((job, queue))
+        return out
+
+    def _start_group(self, group: list[tuple[Job, Queue]]) -> None:
+        """Register jobs as RQ executions, vet them, and hand the good ones over together."""
+        executions = self._register(group)
+        works = []
+        for (job, queue), execution in zip(group, executions, strict=True):
+            try:
+                request, tokens = self._vet(job)
+            except (JobRejected, JobInputError) as e:
+                self._fail(job, queue, execution, str(e))
+                continue
+            meta = msgspec.convert(job.meta or {}, JobMeta)
+            self.inflight[job.id] = InFlight(job, queue, execution, request, meta, time.time())
+            works.append(Work(EngineJob(job.id, request), tokens))
+        if works:
+            self.runner.submit(works)
+
+    def _vet(self, job: Job) -> tuple[Request, list[int]]:
+        """The job's request and prompt tokens, or JobRejected/JobInputError saying why not."""
+        request = decode_job(job)
+        engine, scheduler = self.runner.engine, self.runner.scheduler
+        assert engine is not None and scheduler is not None
+        tokens = engine.encode(request)
+        problem = scheduler.fits_alone(len(tokens), request.max_tokens)
+        if problem:
+            raise JobRejected(problem)
+        return request, tokens
+
+    def _register(self, group: list[tuple[Job, Queue]]) -> list[Execution]:
+        """RQ's prepare_execution + prepare_job_execution for many jobs, in one round trip.
 
         (RQ's own version also reads ``job.func_name`` for the process title, which would
         deserialize a hostile payload before we have vetted it.)
         """
+        executions = []
         with self.connection.pipeline() as pipe:
-            ttl = self.get_heartbeat_ttl(job)
-            execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
-            self.executions[execution.id] = execution
             self.set_state(WorkerStatus.BUSY, pipeline=pipe)
-            self.heartbeat(ttl, pipeline=pipe)
-            job.heartbeat(now(), ttl, pipeline=pipe)
-            job.prepare_for_execution(self.name, pipeline=pipe)
-            pipe.persist(job.key)
-            if len(self.queues) == 1:
+            for job, queue in group:
+                ttl = self.get_heartbeat_ttl(job)
+                execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
+                self.executions[execution.id] = execution
+                executions.append(execution)
+                job.heartbeat(now(), ttl, pipeline=pipe)
+                job.prepare_for_execution(self.name, pipeline=pipe)
+                pipe.persist(job.key)
                 pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+            self.heartbeat(self.job_monitoring_interval + 60, pipeline=pipe)
             pipe.execute()
-        return execution
+        return executions
 
     def _finish(self, completions: list[Completion]) -> None:
         for c in completions:
