@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import uuid
@@ -52,8 +53,44 @@ def bench_queue() -> str:
     return f"mlxq-bench-{uuid.uuid4().hex[:8]}"
 
 
+def drop_batch(conn: Any, batch_id: str, queue: str) -> None:
+    """Delete the queue (with any jobs still on it) and the batch records; results expire."""
+    from mlxq import keys
+    from mlxq.queue import make_queue
+
+    make_queue(conn, queue).empty()
+    conn.delete(keys.batch_info(batch_id), keys.batch_jobs(batch_id))
+    conn.zrem(keys.batches(), batch_id)
+
+
 # Jobs and results the benchmarks leave in a shared Redis expire after this long.
 BENCH_RESULT_TTL = 600
+
+
+def work_burst(worker: Any) -> tuple[float, float]:
+    """Run an RQ worker in burst mode on this (the main) thread.
+
+    Returns the seconds until its loop ended (every job done) and the seconds of RQ's
+    ``teardown`` after it, which are not throughput: RQ joins its pub/sub thread with a
+    one-second timeout there. Restores the signal handlers the worker installs.
+    """
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    teardown, marks = worker.teardown, {}
+
+    def timed_teardown() -> None:
+        marks["teardown"] = time.perf_counter()
+        teardown()
+
+    worker.teardown = timed_teardown
+    start = time.perf_counter()
+    try:
+        worker.work(burst=True, logging_level="WARNING")
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    end = time.perf_counter()
+    loop_end = marks.get("teardown", end)
+    return loop_end - start, end - loop_end
 
 
 def describe_device() -> str:
@@ -109,5 +146,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def write_json(path: str | Path, data: Any) -> None:
     """Write ``data`` as indented JSON (the only file a benchmark writes)."""
-    Path(path).write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
     print(f"figures written to {path}")

@@ -22,7 +22,6 @@ import gc
 import inspect
 import math
 import random
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,6 +33,7 @@ from common import (
     Stopwatch,
     bench_queue,
     describe_device,
+    drop_batch,
     fmt_num,
     fmt_ratio,
     quiet_logs,
@@ -41,6 +41,7 @@ from common import (
     redis_url,
     table,
     use_openblas,
+    work_burst,
     write_json,
 )
 
@@ -200,8 +201,8 @@ def run_naive(model: Any, tokenizer: Any, wl: Workload, limit: int) -> ModeResul
     for tokens, max_tokens in zip(wl.prompts[:k], wl.max_tokens[:k], strict=True):
         t0 = time.perf_counter()
         last = None
-        for last in stream_generate(model, tokenizer, tokens, max_tokens=max_tokens):
-            pass
+        for response in stream_generate(model, tokenizer, tokens, max_tokens=max_tokens):
+            last = response
         assert last is not None
         seconds = time.perf_counter() - t0
         p_s = last.prompt_tokens / last.prompt_tps  # prefill + first token
@@ -311,20 +312,19 @@ def run_mlxq(model: Any, tokenizer: Any, name: str, wl: Workload, profile: Any, 
         Request(prompt=p, max_tokens=m) for p, m in zip(wl.prompts, wl.max_tokens, strict=True)
     ]
     worker = MlxqWorker([queue], connection=conn, runner=runner, model_name=name)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         clock = Stopwatch()
         batch = submit(conn, requests, queue=queue, result_ttl=BENCH_RESULT_TTL)
-        submit_s = time.perf_counter() - clock.start
-        worker.work(burst=True, logging_level="WARNING")
-        work_s = time.perf_counter() - clock.start - submit_s
+        submit_s = clock.stop()
+        work_s, exit_s = work_burst(worker)
+        clock = Stopwatch()
         results = list(iter_batch_results(conn, batch.batch_id))
-        wall = clock.stop()
+        read_s = clock.stop()
+        drop_batch(conn, batch.batch_id, queue)
     finally:
         runner.stop()
-        for sig, handler in handlers.items():  # the worker installed its own
-            signal.signal(sig, handler)
         conn.close()
+    wall = submit_s + work_s + read_s
     done = [r for r in results if r is not None and r.finish_reason in ("length", "stop")]
     gen = sum(r.usage.completion_tokens for r in done)
     start, end = readings.get("start"), _counters(runner.engine)
@@ -333,9 +333,18 @@ def run_mlxq(model: Any, tokenizer: Any, name: str, wl: Workload, profile: Any, 
         prompt_tps = BatchCountersSnapshot.between(start, end).prompt_tps
     result = ModeResult("mlxq", wall, gen, wl.prompt_tokens, prompt_tps, _peak_gb())
     result.expected_gen_tokens, result.errors = wl.gen_tokens, len(results) - len(done)
-    read_s = wall - submit_s - work_s
     result.extra = {"submit_s": submit_s, "worker_s": work_s, "read_s": read_s}
+    result.extra["worker_exit_s"] = exit_s
     return result
+
+
+def median_run(runs: list[ModeResult]) -> ModeResult:
+    """The run with the median wall time (the slower middle one of an even count)."""
+    ordered = sorted(runs, key=lambda r: r.wall_s)
+    chosen = ordered[len(ordered) // 2]
+    if len(runs) > 1:
+        chosen.extra["repeat_wall_s"] = [round(r.wall_s, 4) for r in runs]
+    return chosen
 
 
 # -- report ------------------------------------------------------------------------------
@@ -385,7 +394,8 @@ def report(header: str, results: list[ModeResult], wl: Workload) -> str:
             e = r.extra
             notes.append(
                 f"  mlxq: submit {e['submit_s']:.2f} s + worker {e['worker_s']:.2f} s + "
-                f"read results {e['read_s']:.2f} s"
+                f"read results {e['read_s']:.2f} s (then the worker's exit, not counted: "
+                f"{e['worker_exit_s']:.2f} s)"
             )
     lines = [header, table(headers, rows), *notes]
     return "\n".join(lines)
@@ -400,26 +410,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
-                     help="random-weight model built in memory")
+    src.add_argument(
+        "--preset",
+        default="tiny",
+        choices=sorted(PRESETS),
+        help="random-weight model built in memory",
+    )
     src.add_argument("--model", help="a model folder or hub id for mlx_lm.load instead")
     ap.add_argument("--workload", default="uniform", choices=[*WORKLOADS, "all"])
     ap.add_argument("--requests", type=int, default=256, help="requests per workload")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="uniform: prompt length")
-    ap.add_argument("--gen-tokens", type=int, default=128,
-                    help="uniform and prefix: max_tokens (always generated in full)")
-    ap.add_argument("--prefix-tokens", type=int, default=1000,
-                    help="prefix: length of the shared prefix")
-    ap.add_argument("--batch", type=int, default=None,
-                    help="mlxq's batch size (also raw's); default: what mlxq picks on this "
-                         "device (build_scheduler / auto_max_batch)")
-    ap.add_argument("--modes", default=",".join(MODES),
-                    help="comma-separated subset of " + ",".join(MODES))
-    ap.add_argument("--naive-requests", type=int, default=16,
-                    help="naive: time only the first N requests and extrapolate (0: all)")
-    ap.add_argument("--redis-url", default=None,
-                    help="mlxq mode: this Redis instead of an embedded Valkey (a private "
-                         "queue is used; jobs expire after 10 minutes)")
+    ap.add_argument(
+        "--gen-tokens",
+        type=int,
+        default=128,
+        help="uniform and prefix: max_tokens (always generated in full)",
+    )
+    ap.add_argument(
+        "--prefix-tokens", type=int, default=1000, help="prefix: length of the shared prefix"
+    )
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="mlxq's batch size (also raw's); default: what mlxq picks on this "
+        "device (build_scheduler / auto_max_batch)",
+    )
+    ap.add_argument(
+        "--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES)
+    )
+    ap.add_argument(
+        "--naive-requests",
+        type=int,
+        default=16,
+        help="naive: time only the first N requests and extrapolate (0: all)",
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run each mode this many times and report the median-wall run",
+    )
+    ap.add_argument(
+        "--redis-url",
+        default=None,
+        help="mlxq mode: this Redis instead of an embedded Valkey (a private "
+        "queue is used; jobs expire after 10 minutes)",
+    )
     ap.add_argument("--json", metavar="PATH", help="also write the figures here")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -429,6 +466,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.modes = [m for m in MODES if m in modes]
     if args.requests < 1 or args.prompt_tokens < 1 or args.gen_tokens < 1:
         ap.error("--requests, --prompt-tokens and --gen-tokens must be at least 1")
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     if args.batch is not None and args.batch < 1:
         ap.error("--batch must be at least 1")
     return args
@@ -439,7 +478,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_logs()
 
-    import mlx.core as mx
     from mlx_lm import stream_generate
     from mlx_lm.generate import BatchGenerator
 
@@ -463,13 +501,17 @@ def main(argv: list[str] | None = None) -> int:
     bg_batch = defaults["completion_batch_size"].default
     bg_prefill = defaults["prefill_batch_size"].default
 
-    workloads = [make_workload(k, args, pool) for k in (WORKLOADS if args.workload == "all"
-                                                         else [args.workload])]
+    workloads = [
+        make_workload(k, args, pool)
+        for k in (WORKLOADS if args.workload == "all" else [args.workload])
+    ]
     for wl in workloads:
         longest = max(len(p) + m for p, m in zip(wl.prompts, wl.max_tokens, strict=True))
         if longest > info.context_length:
-            sys.exit(f"{wl.name}: a request needs {longest} tokens but the context of {name} "
-                     f"is {info.context_length}: lower the lengths")
+            sys.exit(
+                f"{wl.name}: a request needs {longest} tokens but the context of {name} "
+                f"is {info.context_length}: lower the lengths"
+            )
 
     # Warm-up: compile and allocate once, outside every timed mode.
     clock = Stopwatch()
@@ -490,8 +532,10 @@ def main(argv: list[str] | None = None) -> int:
         "mlxq_batch_source": how,
         "prefill_batch": prefill_batch,
         "prefill_step": profile.prefill_step,
-        "batch_generate_defaults": {"completion_batch_size": bg_batch,
-                                    "prefill_batch_size": bg_prefill},
+        "batch_generate_defaults": {
+            "completion_batch_size": bg_batch,
+            "prefill_batch_size": bg_prefill,
+        },
         "args": {k: v for k, v in vars(args).items() if k != "json"},
         "workloads": [],
     }
@@ -500,22 +544,27 @@ def main(argv: list[str] | None = None) -> int:
         for wl in workloads:
             results = []
             for mode in args.modes:
-                _fresh()
-                print(f"{wl.name}: {mode} ...", file=sys.stderr)
-                if mode == "naive":
-                    r = run_naive(model, tokenizer, wl, args.naive_requests)
-                elif mode == "batch_generate":
-                    r = run_batch_generate(model, tokenizer, wl)
-                elif mode == "raw":
-                    r = run_raw(model, wl, batch, prefill_batch, profile.prefill_step)
-                else:
-                    r = run_mlxq(model, tokenizer, name, wl, profile, url)
-                results.append(r)
+                runs = []
+                for i in range(args.repeat):
+                    _fresh()
+                    print(f"{wl.name}: {mode} ({i + 1}/{args.repeat}) ...", file=sys.stderr)
+                    if mode == "naive":
+                        r = run_naive(model, tokenizer, wl, args.naive_requests)
+                    elif mode == "batch_generate":
+                        r = run_batch_generate(model, tokenizer, wl)
+                    elif mode == "raw":
+                        r = run_raw(model, wl, batch, prefill_batch, profile.prefill_step)
+                    else:
+                        r = run_mlxq(model, tokenizer, name, wl, profile, url)
+                    runs.append(r)
+                results.append(median_run(runs))
             header = (
                 f"{model_line(info)} on {device} | workload {wl.label} | mlxq batch {batch} "
                 f"({how}), prefill batch {prefill_batch} | batch_generate: mlx-lm defaults "
                 f"(batch {bg_batch}, prefill batch {bg_prefill})"
             )
+            if args.repeat > 1:
+                header += f" | median of {args.repeat} runs"
             print()
             print(report(header, results, wl))
             sys.stdout.flush()
