@@ -47,6 +47,21 @@ def batches() -> str:
     return f"{PREFIX}:batches"
 
 
+def worker_info(name: str) -> str:
+    """JSON ``WorkerInfo`` of a live worker (expires a little after its last heartbeat)."""
+    return f"{PREFIX}:worker:{name}"
+
+
+def workers() -> str:
+    """Set of worker names that have published info (stale names are pruned on read)."""
+    return f"{PREFIX}:workers"
+
+
+def cancel_flag(job_id: str) -> str:
+    """Set by ``mlxq cancel`` for a running job; its worker stops it at the next step."""
+    return f"{PREFIX}:cancel:{job_id}"
+
+
 def queue_name_for_model(model: str | None) -> str:
     """The default queue of a model: its last path component, or ``default``."""
     if not model:

@@ -19,7 +19,7 @@ MAX_LOGPROBS = 20
 PositiveInt = Annotated[int, Meta(gt=0)]
 TokenId = Annotated[int, Meta(ge=0)]
 
-FinishReason = Literal["stop", "length", "error", "cancelled", "timeout"]
+FinishReason = Literal["stop", "length", "error", "cancelled", "timeout", "expired"]
 
 
 class Message(Struct, forbid_unknown_fields=True):
@@ -109,7 +109,8 @@ class Result(Struct, omit_defaults=False):
     """The outcome of one request, stored as its RQ job's return value.
 
     ``finish_reason`` is ``stop`` (EOS or a stop string), ``length`` (``max_tokens``),
-    ``error`` (see ``error``), ``cancelled`` or ``timeout``.
+    ``error`` (see ``error``), ``cancelled``, ``timeout`` (the job's wall-clock limit) or
+    ``expired`` (its batch expired before it ran).
     """
 
     job_id: str
@@ -179,6 +180,31 @@ class ModelInfo(Struct):
     kv_bytes_per_token: int
     param_bytes: int
     dtype: str
+
+
+class WorkerInfo(Struct):
+    """What a live worker publishes about itself (``keys.worker_info``), refreshed with
+    its heartbeat and expiring when the worker dies."""
+
+    name: str
+    host: str
+    pid: int
+    model: str
+    queues: list[str]
+    backend: str  # metal, cuda or cpu
+    device: str
+    memory_bytes: int
+    max_batch: int
+    kv_budget_bytes: int
+    kv_reserved_bytes: int
+    in_flight: int
+    jobs_done: int
+    jobs_failed: int
+    tokens_generated: int
+    recent_tps: float  # generated tokens/s over the last minute or so
+    started_at: float
+    heartbeat_at: float
+    adapter_path: str | None = None
 
 
 # Shared encoders/decoders: building them once is much faster than per call.
