@@ -17,7 +17,7 @@ import redis
 
 from mlxq import keys
 from mlxq import queue as q
-from mlxq.types import BatchStatus, json_encoder
+from mlxq.types import BatchStatus, Result, json_encoder
 
 DEFAULT_LOCAL_URL = "redis://127.0.0.1:6379/0"
 MODEL_COMMANDS = {"worker", "run", "make-model"}
@@ -111,6 +111,19 @@ def _read_file(path: str, skip_invalid: bool):  # -> ParsedInput
     show_default=True,
     help="Seconds one generation may run.",
 )
+@click.option(
+    "--result-ttl",
+    type=click.IntRange(60),
+    default=keys.DEFAULT_RESULT_TTL,
+    show_default=True,
+    help="Seconds results are kept in Redis.",
+)
+@click.option(
+    "--expires-in",
+    type=click.FloatRange(1),
+    help="Seconds after which requests that have not started are not run "
+    "(their results say 'expired').",
+)
 @click.option("--wait", is_flag=True, help="Wait for the batch, with a progress bar.")
 @click.option(
     "-o",
@@ -127,6 +140,8 @@ def submit(
     skip_invalid: bool,
     retries: int,
     job_timeout: int,
+    result_ttl: int,
+    expires_in: float | None,
     wait: bool,
     output: str | None,
     timeout: float | None,
@@ -150,6 +165,8 @@ def submit(
             queue=queue_name,
             retries=retries,
             job_timeout=job_timeout,
+            result_ttl=result_ttl,
+            expires_in=expires_in,
             source=file,
             model=model,
             on_progress=bar.update,
@@ -268,6 +285,38 @@ def status(batch_id: str, as_json: bool, redis_url: str) -> None:
     )
 
 
+def _job_ids(conn: redis.Redis, target: str) -> list[str]:
+    """The job ids of a batch, or the one job id given."""
+    try:
+        return q.batch_job_ids(conn, q.get_batch(conn, target).batch_id)
+    except q.BatchNotFound:
+        if conn.exists(f"rq:job:{target}"):
+            return [target]
+    _fail(f"no batch or job {target!r} on this Redis (check the id and --redis-url)")
+    return []
+
+
+@cli.command()
+@click.argument("target", metavar="BATCH|JOB")
+@_redis_option
+def cancel(target: str, redis_url: str) -> None:
+    """Cancel a batch or one job: queued jobs are removed, running ones stop at the next
+    step (their results say cancelled). Finished jobs are left alone."""
+    conn = _connect(redis_url)
+    dequeued, flagged = q.cancel_jobs(conn, _job_ids(conn, target))
+    click.echo(f"{target}: removed {dequeued} queued jobs, stopping {flagged} running jobs")
+
+
+@cli.command()
+@click.argument("target", metavar="BATCH|JOB")
+@_redis_option
+def retry(target: str, redis_url: str) -> None:
+    """Put the failed jobs of a batch (or one failed job) back on their queue."""
+    conn = _connect(redis_url)
+    count = q.retry_failed(conn, _job_ids(conn, target))
+    click.echo(f"{target}: re-queued {count} failed jobs")
+
+
 # -- worker and run ----------------------------------------------------------------------
 def _worker_options(f: Callable) -> Callable:
     options = [
@@ -296,6 +345,18 @@ def _worker_options(f: Callable) -> Callable:
             "--adapter-path",
             type=click.Path(exists=True),
             help="LoRA adapter folder to serve on top of the model.",
+        ),
+        click.option(
+            "--abandon-after",
+            type=click.IntRange(3, 3600),
+            help="Seconds without a heartbeat before other workers take this worker's jobs "
+            "back [default: 30].",
+        ),
+        click.option(
+            "--grace-period",
+            type=click.FloatRange(0),
+            help="Seconds to finish running jobs on SIGTERM before putting them back "
+            "[default: 60].",
         ),
         click.option(
             "--log-level",
@@ -333,32 +394,18 @@ def _profile(profile: str | None, **overrides: Any):  # -> WorkerProfile
 @click.option("--name", help="Worker name shown by `rq info` [default: random].")
 @_redis_option
 def worker(
-    model: str | None,
     profile: str | None,
-    max_batch: int | None,
-    prefill_batch: int | None,
-    memory_fraction: float | None,
-    adapter_path: str | None,
     log_level: str,
     queues: tuple[str, ...],
     burst: bool,
-    name: str | None,
     redis_url: str,
+    **settings: Any,
 ) -> None:
     """Load a model once and serve generation jobs from Redis queues, continuously batched."""
     from mlxq.launch import run_worker
 
     _setup_logging(log_level)
-    prof = _profile(
-        profile,
-        model=model,
-        max_batch=max_batch,
-        prefill_batch=prefill_batch,
-        memory_fraction=memory_fraction,
-        adapter_path=adapter_path,
-        queues=list(queues),
-        name=name,
-    )
+    prof = _profile(profile, queues=list(queues), **settings)
     conn = _connect(redis_url)
     run_worker(prof, conn, burst=burst, log_level=log_level)
 
@@ -382,16 +429,12 @@ def worker(
 )
 def run(
     file: str,
-    model: str | None,
     profile: str | None,
-    max_batch: int | None,
-    prefill_batch: int | None,
-    memory_fraction: float | None,
-    adapter_path: str | None,
     log_level: str,
     output: str,
     skip_invalid: bool,
     redis_url: str | None,
+    **settings: Any,
 ) -> None:
     """Run a JSONL FILE through a model on this machine and write the results.
 
@@ -404,14 +447,7 @@ def run(
     # A progress bar shows the run; per-job log lines would drown it.
     log_level = "WARNING" if log_level.upper() == "INFO" else log_level
     _setup_logging(log_level)
-    prof = _profile(
-        profile,
-        model=model,
-        max_batch=max_batch,
-        prefill_batch=prefill_batch,
-        memory_fraction=memory_fraction,
-        adapter_path=adapter_path,
-    )
+    prof = _profile(profile, **settings)
     parsed = _read_file(file, skip_invalid)
     server = contextlib.nullcontext(redis_url) if redis_url else embedded()
     with server as url:
@@ -432,8 +468,8 @@ def run(
         start, tokens = time.monotonic(), [0]
         with _bar(len(parsed.requests), "generating") as bar:
 
-            def on_finish(n: int) -> None:
-                tokens[0] += n
+            def on_finish(result: Result) -> None:
+                tokens[0] += result.usage.completion_tokens
                 if sys.stderr.isatty():  # a changing label reprints the line when piped
                     rate = tokens[0] / (time.monotonic() - start)
                     bar.label = f"generating ({rate:.0f} tok/s)"

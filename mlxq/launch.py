@@ -13,6 +13,7 @@ from mlxq.hardware import device_facts
 from mlxq.profile import WorkerProfile
 from mlxq.runner import Runner
 from mlxq.scheduler import MAX_AUTO_BATCH, Scheduler, auto_max_batch, memory_budget
+from mlxq.types import Result
 from mlxq.worker import MlxqWorker
 
 log = logging.getLogger("mlxq.worker")
@@ -95,7 +96,7 @@ def run_worker(
     *,
     burst: bool = False,
     queues: list[str] | None = None,
-    on_finish: Callable[[int], None] | None = None,
+    on_finish: Callable[[Result], None] | None = None,
     log_level: str = "INFO",
 ) -> MlxqWorker:
     """Load the model, then serve ``queues`` until stopped (or empty, with ``burst``)."""
@@ -107,7 +108,7 @@ def run_worker(
         runner=runner,
         model_name=profile.model or "",
         name=profile.name,
-        heartbeat_interval=profile.heartbeat_interval,
+        abandon_after=profile.abandon_after,
         grace_period=profile.grace_period,
     )
     worker.on_finish = on_finish

@@ -24,7 +24,8 @@ class WorkerProfile(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     prefill_batch: Annotated[int, Meta(ge=1, le=512)] = 8
     prefill_step: Annotated[int, Meta(ge=16, le=65536)] = 2048
     memory_fraction: Annotated[float, Meta(gt=0.0, le=0.95)] = 0.75
-    heartbeat_interval: Annotated[int, Meta(ge=1, le=600)] = 15
+    # Seconds without a heartbeat after which other workers take this one's jobs back.
+    abandon_after: Annotated[int, Meta(ge=3, le=3600)] = 30
     grace_period: Annotated[float, Meta(ge=0.0)] = 60.0
     name: str | None = None
 

@@ -11,11 +11,12 @@ import base64
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import msgspec
 import redis
 from rq import Queue, Retry
+from rq.job import Job
 
 from mlxq import keys
 from mlxq.serializer import serializer
@@ -57,23 +58,30 @@ def submit(
     result_ttl: int = keys.DEFAULT_RESULT_TTL,
     source: str | None = None,
     model: str | None = None,
+    expires_in: float | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> BatchInfo:
-    """Enqueue ``requests`` as one batch of RQ jobs and return the batch record."""
+    """Enqueue ``requests`` as one batch of RQ jobs and return the batch record.
+
+    ``expires_in`` seconds after submit, requests that have not started are not run
+    (their results say ``expired``).
+    """
+    created = time.time()
     info = BatchInfo(
         batch_id=batch_id or new_batch_id(),
         queue=queue,
         total=len(requests),
-        created_at=time.time(),
+        created_at=created,
         source=source,
         model=model,
+        expires_at=created + expires_in if expires_in else None,
     )
     q = make_queue(conn, queue)
     retry = Retry(max=retries) if retries > 0 else None
     for start in range(0, len(requests), CHUNK):
         chunk = requests[start : start + CHUNK]
         datas = [
-            _job_data(req, info.batch_id, start + i, retry, job_timeout, result_ttl)
+            _job_data(req, info, start + i, retry, job_timeout, result_ttl)
             for i, req in enumerate(chunk)
         ]
         with conn.pipeline() as pipe:
@@ -91,15 +99,18 @@ def submit(
 
 
 def _job_data(
-    req: Request, batch_id: str, index: int, retry: Retry | None, timeout: int, result_ttl: int
+    req: Request, info: BatchInfo, index: int, retry: Retry | None, timeout: int, result_ttl: int
 ):  # -> rq EnqueueData
-    meta = JobMeta(batch_id=batch_id, index=index, custom_id=req.custom_id)
+    batch_id = info.batch_id
+    meta = JobMeta(
+        batch_id=batch_id, index=index, custom_id=req.custom_id, expires_at=info.expires_at
+    )
     return Queue.prepare_data(
         keys.JOB_FUNC,
         args=(msgspec.to_builtins(req),),
         timeout=timeout,
         result_ttl=result_ttl,
-        failure_ttl=max(result_ttl, keys.DEFAULT_FAILURE_TTL),
+        failure_ttl=result_ttl,
         description=req.custom_id or f"{batch_id}[{index}]",
         meta=msgspec.to_builtins(meta),
         retry=retry,
@@ -179,27 +190,26 @@ def _pairs(replies: list) -> Iterator[tuple]:
     return zip(it, it, strict=True)
 
 
+_TERMINAL = ("finished", "failed", "stopped", "canceled", "expired")
+
+
 def _to_result(job_id: str, status_meta: list, latest: list) -> Result | None:
     status = status_meta[0].decode() if status_meta[0] else "expired"
-    meta = _meta_decoder.decode(status_meta[1]) if status_meta[1] else JobMeta()
+    if status not in _TERMINAL:
+        return None  # queued, running, or waiting for a retry
     payload = latest[0][1] if latest else {}
-    if status == "finished" and b"return_value" in payload:
-        result = msgspec.convert(
-            serializer.loads(base64.b64decode(payload[b"return_value"])), Result
-        )
-        return result
-    if status in ("failed", "stopped", "canceled", "expired"):
-        reason = "cancelled" if status == "canceled" else "error"
-        error = _failure_message(payload) or _STATUS_ERRORS.get(status, status)
-        return Result(
-            job_id=job_id,
-            custom_id=meta.custom_id,
-            finish_reason=reason,
-            error=error,
-            batch_id=meta.batch_id,
-            index=meta.index,
-        )
-    return None
+    if b"return_value" in payload:
+        data = serializer.loads(base64.b64decode(payload[b"return_value"]))
+        return msgspec.convert(data, Result)
+    meta = _meta_decoder.decode(status_meta[1]) if status_meta[1] else JobMeta()
+    return Result(
+        job_id=job_id,
+        custom_id=meta.custom_id,
+        finish_reason="cancelled" if status == "canceled" else "error",
+        error=_failure_message(payload) or _STATUS_ERRORS.get(status, status),
+        batch_id=meta.batch_id,
+        index=meta.index,
+    )
 
 
 _STATUS_ERRORS = {
@@ -263,6 +273,26 @@ def _retrying(fn: Callable, attempts: int = 8):
     raise AssertionError("unreachable")
 
 
-def queue_depths(conn: redis.Redis, names: Iterable[str]) -> dict[str, int]:
-    """Number of queued jobs per queue."""
-    return {name: make_queue(conn, name).count for name in names}
+def cancel_jobs(conn: redis.Redis, job_ids: Sequence[str]) -> tuple[int, int]:
+    """Cancel jobs: queued ones leave their queue at once, running ones are flagged and
+    stopped by their worker at its next check. Returns (dequeued, flagged)."""
+    dequeued = flagged = 0
+    for jid, state in zip(job_ids, job_states(conn, job_ids), strict=True):
+        if state in ("queued", "deferred", "scheduled", "created"):
+            Job.fetch(jid, connection=conn, serializer=serializer).cancel()
+            dequeued += 1
+        elif state == "started":
+            conn.set(keys.cancel_flag(jid), 1, ex=keys.BATCH_TTL)
+            flagged += 1
+    return dequeued, flagged
+
+
+def retry_failed(conn: redis.Redis, job_ids: Sequence[str]) -> int:
+    """Put the failed jobs among ``job_ids`` back on their queues; returns how many."""
+    count = 0
+    for jid, state in zip(job_ids, job_states(conn, job_ids), strict=True):
+        if state == "failed":
+            job = Job.fetch(jid, connection=conn, serializer=serializer)
+            job.failed_job_registry.requeue(job)
+            count += 1
+    return count

@@ -135,6 +135,7 @@ class JobMeta(Struct, omit_defaults=True):
     batch_id: str | None = None
     index: int | None = None
     custom_id: str | None = None
+    expires_at: float | None = None  # Unix time after which the request is not run
 
 
 class BatchInfo(Struct):
@@ -146,6 +147,7 @@ class BatchInfo(Struct):
     created_at: float
     source: str | None = None
     model: str | None = None
+    expires_at: float | None = None
 
 
 class BatchStatus(Struct):

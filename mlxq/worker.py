@@ -1,9 +1,10 @@
 """The worker loop: an RQ 3 worker that feeds a continuous batch instead of running one job.
 
 It runs in-process (no fork: forking after MLX starts crashes on macOS). Each pass of the
-loop collects finished jobs from the MLX thread and finishes them through RQ's own success
-and failure handling, pulls as many jobs as there are free slots (registering each as an
-RQ execution), and keeps every in-flight execution's heartbeat alive.
+loop writes back jobs the MLX thread finished (many per Redis round trip), pulls as many
+jobs as there are free slots (registering each as an RQ execution), and keeps every
+in-flight execution's heartbeat alive. Redis outages are ridden out with backoff: the MLX
+thread keeps generating meanwhile and results are written once Redis is back.
 """
 
 from __future__ import annotations
@@ -11,12 +12,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import msgspec
 import redis
-from rq.exceptions import DeserializationError
-from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.utils import now
@@ -24,34 +22,21 @@ from rq.worker import BaseWorker, WorkerStatus
 
 from mlxq import keys
 from mlxq.engine import Completion, EngineJob, JobInputError
+from mlxq.intake import JobRejected, decode_job, dequeue_many, register
+from mlxq.outcomes import InFlight, build_result, still_held, unrun_result, write_results
+from mlxq.recovery import requeue_abandoned
 from mlxq.runner import Runner, Work
 from mlxq.serializer import serializer
-from mlxq.types import JobMeta, Request, Result, Timing, Usage
+from mlxq.types import JobMeta, Request, Result
 
 log = logging.getLogger("mlxq.worker")
 
-# While jobs run, how long each pass waits for the MLX thread to finish one.
-BUSY_WAIT_S = 0.02
-# After an empty non-blocking pull, wait this long before asking Redis again.
-EMPTY_PULL_BACKOFF_S = 0.25
-# Blocking pull timeout when idle: short, so stop requests are seen promptly.
-IDLE_PULL_TIMEOUT_S = 1
-
-
-class JobRejected(Exception):
-    """A job this worker will not run (not an mlxq job, or an invalid request)."""
-
-
-@dataclass
-class InFlight:
-    """A job this worker holds: registered with RQ and handed to the MLX thread."""
-
-    job: Job
-    queue: Queue
-    execution: Execution
-    request: Request
-    meta: JobMeta
-    started_at: float
+BUSY_WAIT_S = 0.02  # while jobs run, how long a pass waits for the MLX thread
+EMPTY_PULL_BACKOFF_S = 0.25  # after an empty pull, wait before asking Redis again
+IDLE_PULL_TIMEOUT_S = 1  # blocking pull when idle: short, so stop requests are seen
+CONTROL_INTERVAL_S = 0.5  # how often cancel flags and time limits are checked
+RECOVERY_INTERVAL_S = 5.0  # how often abandoned jobs of dead workers are looked for
+MAX_BACKOFF_S = 30.0
 
 
 class MlxqWorker(BaseWorker):
@@ -65,40 +50,49 @@ class MlxqWorker(BaseWorker):
         runner: Runner,
         model_name: str,
         name: str | None = None,
-        heartbeat_interval: int = 15,
+        abandon_after: int = 30,
         grace_period: float = 60.0,
-        maintenance_interval: int = 30,
     ) -> None:
+        # Heartbeats every third of `abandon_after`: a job whose worker misses three is
+        # put back on its queue by the other workers.
         super().__init__(
             queues,
             name=name,
             connection=connection,
             serializer=serializer,
             default_result_ttl=keys.DEFAULT_RESULT_TTL,
-            job_monitoring_interval=heartbeat_interval,
-            maintenance_interval=maintenance_interval,
+            job_monitoring_interval=max(1, abandon_after // 3),
             log_job_description=False,
         )
+        self.abandon_after = abandon_after
         self.runner = runner
         self.model_name = model_name
         self.grace_period = grace_period
         self.inflight: dict[str, InFlight] = {}
-        self._force_stop = False
-        self._next_pull_at = 0.0
-        self._last_beat = 0.0
         self.jobs_done = 0
-        # Called with each finished job's generated-token count (progress bars).
-        self.on_finish: Callable[[int], None] | None = None
+        # Called with each finished job's Result (progress bars, metrics).
+        self.on_finish: Callable[[Result], None] | None = None
+        self._force_stop = False
+        self._next_pull_at = self._last_beat = self._last_control = self._last_sweep = 0.0
+
+    def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
+        """Executions expire ``abandon_after`` seconds after the last heartbeat."""
+        return self.abandon_after
 
     # -- signals: never raise from a handler; the loop reads the flags -----------------
     def _shutdown(self) -> None:
         self._stop_requested = True
-        self.log.info(
-            "Worker %s: stopping: finishing %d in-flight jobs", self.name, len(self.inflight)
-        )
+        self.log.info("Worker %s: stopping, finishing %d jobs", self.name, len(self.inflight))
 
     def request_force_stop(self, signum, frame) -> None:
         self._force_stop = True
+
+    def request_stop_execution(self, execution_id: str) -> None:
+        """RQ's `stop-job` command (pubsub thread): stop that job at the next step."""
+        for inf in list(self.inflight.values()):
+            if inf.execution.id == execution_id:
+                inf.stop_reason = "cancelled"
+                self.runner.cancel(inf.job.id)
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         """Start one job (RQ's hook; the batch loop starts jobs in groups)."""
@@ -112,23 +106,22 @@ class MlxqWorker(BaseWorker):
         self.bootstrap(logging_level)
         self._install_signal_handlers()
         self.set_state(WorkerStatus.IDLE)
+        backoff = 0.5
         try:
             while not (self._stop_requested or self._force_stop):
-                self.check_for_suspension(burst)
-                if self.should_run_maintenance_tasks:
-                    self.run_maintenance_tasks()
-                self._finish(self.runner.completions())
-                if max_jobs is not None and self.jobs_done >= max_jobs and not self.inflight:
-                    break
-                pulled = self._pull(block=not self.inflight and not burst)
-                if burst and not pulled and not self.inflight:
-                    self.log.info("Worker %s: queues empty, nothing in flight: done", self.name)
-                    break
-                self._beat_if_due()
-                if self.inflight:
-                    self._finish(self.runner.completions(timeout=BUSY_WAIT_S))
-                if not self.runner.alive:
-                    raise RuntimeError("the MLX thread died; see the log above")
+                try:
+                    if self._pass(burst, max_jobs):
+                        break
+                    backoff = 0.5
+                except (redis.ConnectionError, redis.TimeoutError) as e:
+                    self.log.error(
+                        "Worker %s: Redis unreachable (%s); retrying in %.1fs",
+                        self.name,
+                        e,
+                        backoff,
+                    )
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, MAX_BACKOFF_S)
             self._wind_down()
         finally:
             self._requeue_all()
@@ -136,6 +129,34 @@ class MlxqWorker(BaseWorker):
             self.teardown()
         return self.jobs_done > 0
 
+    def _pass(self, burst: bool, max_jobs: int | None) -> bool:
+        """One pass of the loop; True when the worker is done."""
+        self.check_for_suspension(burst)
+        self._maintain()
+        self._finish(self.runner.completions())
+        if max_jobs is not None and self.jobs_done >= max_jobs and not self.inflight:
+            return True
+        pulled = self._pull(block=not self.inflight and not burst)
+        if burst and not pulled and not self.inflight:
+            self.log.info("Worker %s: queues empty, nothing in flight: done", self.name)
+            return True
+        self._beat_if_due()
+        self._control_if_due()
+        if self.inflight:
+            self._finish(self.runner.completions(timeout=BUSY_WAIT_S))
+        if not self.runner.alive:
+            raise RuntimeError("the MLX thread died; see the log above")
+        return False
+
+    def _maintain(self) -> None:
+        if time.monotonic() - self._last_sweep >= RECOVERY_INTERVAL_S:
+            self._last_sweep = time.monotonic()
+            for queue in self.queues:
+                requeue_abandoned(queue)
+        if self.should_run_maintenance_tasks:
+            self.run_maintenance_tasks()
+
+    # -- taking jobs ---------------------------------------------------------------------
     def _pull(self, block: bool) -> int:
         """Dequeue up to the scheduler's free slots, in groups; returns how many started.
 
@@ -151,7 +172,7 @@ class MlxqWorker(BaseWorker):
         group = [found] if found else []
         started = 0
         while True:
-            group += self._dequeue_many(min(scheduler.prefetch, want - started) - len(group))
+            group += dequeue_many(self, min(scheduler.prefetch, want - started) - len(group))
             if not group:
                 break
             self._start_group(group)
@@ -173,50 +194,34 @@ class MlxqWorker(BaseWorker):
                 job_class=self.job_class,
                 serializer=self.serializer,
             )
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise
         except Exception as e:  # DequeueTimeout, or a job hash that cannot be read
             if type(e).__name__ != "DequeueTimeout":
                 self.log.error("Worker %s: could not dequeue: %s", self.name, e)
             return None
 
-    def _dequeue_many(self, n: int) -> list[tuple[Job, Queue]]:
-        """Up to ``n`` jobs without blocking, in queue order, in a few round trips.
-
-        Ids move to RQ's intermediate queue (as RQ's own LMOVE dequeue does) until the
-        job is registered, so a crash in between loses nothing.
-        """
-        out: list[tuple[Job, Queue]] = []
-        for queue in self._ordered_queues:
-            if len(out) >= n:
-                break
-            with self.connection.pipeline(transaction=False) as pipe:
-                for _ in range(n - len(out)):
-                    pipe.lmove(queue.key, queue.intermediate_queue_key)
-                ids = [i.decode() for i in pipe.execute() if i is not None]
-            if not ids:
-                continue
-            jobs = self.job_class.fetch_many(ids, self.connection, serializer=self.serializer)
-            for job_id, job in zip(ids, jobs, strict=True):
-                if job is None:  # deleted while queued: drop its id
-                    self.connection.lrem(queue.intermediate_queue_key, 1, job_id)
-                else:
-                    out.append((job, queue))
-        return out
-
     def _start_group(self, group: list[tuple[Job, Queue]]) -> None:
         """Register jobs as RQ executions, vet them, and hand the good ones over together."""
-        executions = self._register(group)
         works = []
-        for (job, queue), execution in zip(group, executions, strict=True):
+        expired: list[tuple[InFlight, Result]] = []
+        for (job, queue), execution in zip(group, register(self, group), strict=True):
             try:
                 request, tokens = self._vet(job)
             except (JobRejected, JobInputError) as e:
                 self._fail(job, queue, execution, str(e))
                 continue
             meta = msgspec.convert(job.meta or {}, JobMeta)
-            self.inflight[job.id] = InFlight(job, queue, execution, request, meta, time.time())
+            inf = InFlight(job, queue, execution, request, meta, time.time())
+            if meta.expires_at is not None and time.time() > meta.expires_at:
+                msg = "the batch expired before this request ran"
+                expired.append((inf, unrun_result(inf, "expired", msg, self.model_name, self.name)))
+                continue
+            self.inflight[job.id] = inf
             works.append(Work(EngineJob(job.id, request), tokens))
         if works:
             self.runner.submit(works)
+        write_results(self, expired)
 
     def _vet(self, job: Job) -> tuple[Request, list[int]]:
         """The job's request and prompt tokens, or JobRejected/JobInputError saying why not."""
@@ -229,74 +234,92 @@ class MlxqWorker(BaseWorker):
             raise JobRejected(problem)
         return request, tokens
 
-    def _register(self, group: list[tuple[Job, Queue]]) -> list[Execution]:
-        """RQ's prepare_execution + prepare_job_execution for many jobs, in one round trip.
-
-        (RQ's own version also reads ``job.func_name`` for the process title, which would
-        deserialize a hostile payload before we have vetted it.)
-        """
-        executions = []
-        with self.connection.pipeline() as pipe:
-            self.set_state(WorkerStatus.BUSY, pipeline=pipe)
-            for job, queue in group:
-                ttl = self.get_heartbeat_ttl(job)
-                execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
-                self.executions[execution.id] = execution
-                executions.append(execution)
-                job.heartbeat(now(), ttl, pipeline=pipe)
-                job.prepare_for_execution(self.name, pipeline=pipe)
-                pipe.persist(job.key)
-                pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-            self.heartbeat(self.job_monitoring_interval + 60, pipeline=pipe)
-            pipe.execute()
-        return executions
-
+    # -- finishing jobs ------------------------------------------------------------------
     def _finish(self, completions: list[Completion]) -> None:
+        """Write back finished jobs: results in one transaction, failures through RQ."""
+        done: list[tuple[InFlight, Result]] = []
         for c in completions:
             inf = self.inflight.pop(c.key, None)
             if inf is None:
                 continue
             self.jobs_done += 1
+            result = build_result(inf, c, self.model_name, self.name)
             if self.on_finish is not None:
-                self.on_finish(len(c.token_ids))
+                self.on_finish(result)
             if c.finish_reason == "error":
-                self._fail(inf.job, inf.queue, inf.execution, c.error or "generation failed")
+                if still_held(self.connection, [inf])[0]:
+                    self._fail(inf.job, inf.queue, inf.execution, c.error or "generation failed")
             else:
-                result = build_result(inf, c, self.model_name, self.name)
-                self._finalize_success(
-                    inf.job, inf.queue, inf.execution, msgspec.to_builtins(result)
-                )
+                done.append((inf, result))
+        for inf in write_results(self, done):
+            self.log.warning(
+                "Worker %s: job %s was handed to another worker while this one "
+                "was away; dropped this late result",
+                self.name,
+                inf.job.id,
+            )
         if not self.inflight and self.get_state() == WorkerStatus.BUSY:
             self.set_state(WorkerStatus.IDLE)
 
-    def _fail(self, job: Job, queue: Queue, execution: Execution, message: str) -> None:
+    def _fail(self, job: Job, queue: Queue, execution, message: str) -> None:
         """Fail one job through RQ (failed registry, retries); the others carry on."""
         self.log.warning("Worker %s: job %s failed: %s", self.name, job.id, message)
         job.ended_at = now()
         job._status = JobStatus.FAILED
         self.handle_job_failure(job, queue, exc_string=message, execution=execution)
 
+    # -- heartbeats, cancels and time limits ---------------------------------------------
     def _beat_if_due(self) -> None:
-        """Refresh the worker's and every in-flight execution's heartbeat in one round trip."""
-        if time.monotonic() - self._last_beat < self.job_monitoring_interval / 2:
+        """Refresh the worker's and every in-flight execution's heartbeat in one round trip;
+        jobs found handed to another worker meanwhile are dropped here."""
+        if time.monotonic() - self._last_beat < self.job_monitoring_interval:
             return
         self._last_beat = time.monotonic()
+        items = list(self.inflight.values())
+        held = still_held(self.connection, items)
         with self.connection.pipeline() as pipe:
             self.heartbeat(self.job_monitoring_interval + 60, pipeline=pipe)
             stamp = now()
-            for inf in self.inflight.values():
-                ttl = self.get_heartbeat_ttl(inf.job)
-                inf.execution.heartbeat(inf.job.started_job_registry, ttl, pipeline=pipe)
-                inf.job.heartbeat(stamp, ttl, pipeline=pipe, xx=True)
+            for inf, ok in zip(items, held, strict=True):
+                if ok:
+                    inf.execution.heartbeat(
+                        inf.job.started_job_registry, self.abandon_after, pipeline=pipe
+                    )
+                    inf.job.heartbeat(stamp, self.abandon_after, pipeline=pipe, xx=True)
             pipe.execute()
+        for inf, ok in zip(items, held, strict=True):
+            if not ok:
+                self.log.warning("Worker %s: lost job %s to another worker", self.name, inf.job.id)
+                self.inflight.pop(inf.job.id, None)
+                self.runner.cancel(inf.job.id)
+
+    def _control_if_due(self) -> None:
+        """Stop jobs that were cancelled (`mlxq cancel`) or ran past their time limit."""
+        if not self.inflight or time.monotonic() - self._last_control < CONTROL_INTERVAL_S:
+            return
+        self._last_control = time.monotonic()
+        items = list(self.inflight.values())
+        flags = self.connection.mget([keys.cancel_flag(inf.job.id) for inf in items])
+        for inf, flag in zip(items, flags, strict=True):
+            if inf.stop_reason:
+                continue
+            if flag is not None:
+                inf.stop_reason = "cancelled"
+            elif inf.job.timeout and time.time() - inf.started_at > inf.job.timeout:
+                inf.stop_reason = "timeout"
+            if inf.stop_reason:
+                self.runner.cancel(inf.job.id)
 
     # -- stopping ------------------------------------------------------------------------
     def _wind_down(self) -> None:
         """Finish in-flight jobs within the grace period (a second signal cuts it short)."""
         deadline = time.monotonic() + self.grace_period
         while self.inflight and not self._force_stop and time.monotonic() < deadline:
-            self._finish(self.runner.completions(timeout=0.1))
-            self._beat_if_due()
+            try:
+                self._finish(self.runner.completions(timeout=0.1))
+                self._beat_if_due()
+            except (redis.ConnectionError, redis.TimeoutError):
+                time.sleep(0.5)
 
     def _requeue_all(self) -> None:
         """Put every job still held back at the front of its queue for another worker."""
@@ -311,69 +334,19 @@ class MlxqWorker(BaseWorker):
                 self.log.info("Worker %s: put job %s back on %s", self.name, key, inf.queue.name)
             except redis.RedisError as e:
                 self.log.error(
-                    "Worker %s: could not requeue %s (%s); RQ's registry cleanup will recover it",
+                    "Worker %s: could not requeue %s (%s); the other workers "
+                    "will put it back once its heartbeat lapses",
                     self.name,
                     key,
                     e,
                 )
             del self.inflight[key]
 
-
-def decode_job(job: Job) -> Request:
-    """The job's request, refusing anything that is not a valid mlxq job."""
-    try:
-        func, instance, args, kwargs = job.func_name, job.instance, job.args, job.kwargs
-    except DeserializationError as e:
-        raise JobRejected(
-            "job payload is not mlxq JSON; refusing it without deserializing "
-            "(mlxq never loads pickle). Submit with `mlxq submit` or the mlxq client"
-        ) from e
-    if func != keys.JOB_FUNC or instance is not None or kwargs or len(args) != 1:
-        raise JobRejected(f"job calls {func!r}; mlxq workers only run {keys.JOB_FUNC}(request)")
-    try:
-        return msgspec.convert(args[0], Request)
-    except msgspec.ValidationError as e:
-        raise JobRejected(f"invalid request: {e}") from e
-
-
-def build_result(inf: InFlight, c: Completion, model: str, worker: str) -> Result:
-    """The stored result of a finished job: tokens, usage and timing."""
-    n = len(c.token_ids)
-    return Result(
-        job_id=inf.job.id,
-        custom_id=inf.request.custom_id or inf.meta.custom_id,
-        finish_reason=c.finish_reason,
-        text=c.text,
-        token_ids=c.token_ids,
-        usage=Usage(c.prompt_tokens, n, c.prompt_tokens + n),
-        logprobs=c.logprobs,
-        model=model,
-        worker=worker,
-        batch_id=inf.meta.batch_id,
-        index=inf.meta.index,
-        metadata=inf.request.metadata,
-        timing=_timing(inf, c),
-    )
-
-
-def _timing(inf: InFlight, c: Completion) -> Timing:
-    enqueued = inf.job.enqueued_at.timestamp() if inf.job.enqueued_at else None
-    n = len(c.token_ids)
-    return Timing(
-        enqueued_at=enqueued,
-        started_at=inf.started_at,
-        first_token_at=c.first_token_at,
-        finished_at=c.finished_at,
-        queue_wait_s=_diff(inf.started_at, enqueued),
-        ttft_s=_diff(c.first_token_at, inf.started_at),
-        prefill_tps=_rate(c.prompt_tokens, c.prefill_seconds),
-        decode_tps=_rate(n - 1, c.decode_seconds),
-    )
-
-
-def _diff(end: float | None, start: float | None) -> float | None:
-    return None if end is None or start is None else max(0.0, end - start)
-
-
-def _rate(count: int, seconds: float | None) -> float | None:
-    return count / seconds if seconds and count > 0 else None
+    def subscribe(self) -> None:
+        """RQ's command channel, polled every quarter second so exiting never waits long
+        (RQ's own thread sleeps up to 60 s and teardown waits a second for it)."""
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(
+            sleep_time=0.25, daemon=True, exception_handler=self._pubsub_exception_handler
+        )

@@ -17,7 +17,7 @@ from mlxq.types import Request
 
 @pytest.fixture
 def profile(tiny_model) -> WorkerProfile:
-    return WorkerProfile(model=tiny_model, max_batch=4, prefill_batch=2, heartbeat_interval=2)
+    return WorkerProfile(model=tiny_model, max_batch=4, prefill_batch=2, abandon_after=6)
 
 
 def test_bad_jobs_fail_alone_and_the_rest_finish(conn, profile):

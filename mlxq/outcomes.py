@@ -1,0 +1,158 @@
+"""Writing finished jobs back to RQ: results, statuses and registries, many per round trip.
+
+Every result is written only if this worker still holds the job: its execution must still
+be in the StartedJobRegistry (a worker that slept past its heartbeat finds its jobs handed
+to someone else, and its late results are dropped, never written twice). The check and the
+writes run in one optimistic transaction that watches the jobs' hashes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+import redis
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.queue import Queue
+from rq.results import Result as RQResult
+from rq.utils import now
+from rq.worker import BaseWorker
+
+from mlxq.engine import Completion
+from mlxq.types import JobMeta, Request, Result, Timing, Usage
+
+# RQ status each finish reason leaves a job in (the result is stored either way).
+STATUS = {
+    "stop": JobStatus.FINISHED,
+    "length": JobStatus.FINISHED,
+    "cancelled": JobStatus.CANCELED,
+    "timeout": JobStatus.FAILED,
+    "expired": JobStatus.FAILED,
+}
+
+
+@dataclass
+class InFlight:
+    """A job this worker holds: registered with RQ and handed to the MLX thread."""
+
+    job: Job
+    queue: Queue
+    execution: Execution
+    request: Request
+    meta: JobMeta
+    started_at: float
+    stop_reason: str | None = None  # "timeout" or "cancelled" when the worker stopped it
+
+
+def still_held(conn: redis.Redis, items: list[InFlight]) -> list[bool]:
+    """Whether each job's execution is still registered as running (one round trip)."""
+    with conn.pipeline(transaction=False) as pipe:
+        for inf in items:
+            pipe.zscore(inf.queue.started_job_registry.key, inf.execution.composite_key)
+        return [score is not None for score in pipe.execute()]
+
+
+def write_results(worker: BaseWorker, done: list[tuple[InFlight, Result]]) -> list[InFlight]:
+    """Store results of jobs this worker still holds; returns the ones it had lost."""
+    if not done:
+        return []
+    with worker.connection.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(*[inf.job.key for inf, _ in done])
+                held = still_held(worker.connection, [inf for inf, _ in done])
+                pipe.multi()
+                for (inf, result), ok in zip(done, held, strict=True):
+                    if ok:
+                        _write(pipe, worker, inf, result)
+                pipe.execute()
+                return [inf for (inf, _), ok in zip(done, held, strict=True) if not ok]
+            except redis.WatchError:
+                pipe.reset()  # a job changed hands meanwhile: check again
+
+
+def _write(pipe, worker: BaseWorker, inf: InFlight, result: Result) -> None:
+    job = inf.job
+    job.ended_at = now()
+    job._result = msgspec.to_builtins(result)
+    status = STATUS[result.finish_reason]
+    ttl = job.get_result_ttl(worker.default_result_ttl)
+    job.set_status(status, pipeline=pipe)
+    job.save(pipeline=pipe, include_meta=False, include_result=False)
+    RQResult.create(
+        job,
+        RQResult.Type.SUCCESSFUL,
+        ttl,
+        return_value=job._result,
+        worker_name=worker.name,
+        pipeline=pipe,
+        execution_id=inf.execution.id,
+        execution_started_at=inf.execution.created_at,
+        execution_ended_at=job.ended_at,
+    )
+    if status == JobStatus.FINISHED:
+        job.finished_job_registry.add(job, ttl, pipe)
+        worker.increment_successful_job_count(pipeline=pipe)
+    elif status == JobStatus.CANCELED:
+        job.canceled_job_registry.add(job, ttl, pipe)
+    else:
+        job.failed_job_registry.add(job, ttl, exc_string=result.error or "", pipeline=pipe)
+        worker.increment_failed_job_count(pipeline=pipe)
+    if job.started_at:
+        worker.increment_total_working_time(job.ended_at - job.started_at, pipe)
+    job.cleanup(ttl, pipeline=pipe, remove_from_queue=False)
+    worker.cleanup_execution(job, pipeline=pipe, execution=inf.execution)
+
+
+def build_result(inf: InFlight, c: Completion, model: str, worker: str) -> Result:
+    """The stored result of a job: tokens, usage and timing."""
+    n = len(c.token_ids)
+    reason = inf.stop_reason if c.finish_reason == "cancelled" and inf.stop_reason else None
+    error = {"timeout": f"stopped after the job's {inf.job.timeout}s time limit"}.get(reason or "")
+    return Result(
+        job_id=inf.job.id,
+        custom_id=inf.request.custom_id or inf.meta.custom_id,
+        finish_reason=reason or c.finish_reason,  # type: ignore[arg-type]
+        text=c.text,
+        token_ids=c.token_ids,
+        usage=Usage(c.prompt_tokens, n, c.prompt_tokens + n),
+        logprobs=c.logprobs,
+        error=c.error or error,
+        model=model,
+        worker=worker,
+        batch_id=inf.meta.batch_id,
+        index=inf.meta.index,
+        metadata=inf.request.metadata,
+        timing=_timing(inf, c),
+    )
+
+
+def unrun_result(inf: InFlight, reason: str, error: str, model: str, worker: str) -> Result:
+    """The result of a job stopped before it generated anything (expired, cancelled)."""
+    c = Completion(key=inf.job.id, finish_reason="cancelled", error=error)
+    result = build_result(inf, c, model, worker)
+    return msgspec.structs.replace(result, finish_reason=reason)
+
+
+def _timing(inf: InFlight, c: Completion) -> Timing:
+    enqueued = inf.job.enqueued_at.timestamp() if inf.job.enqueued_at else None
+    n = len(c.token_ids)
+    return Timing(
+        enqueued_at=enqueued,
+        started_at=inf.started_at,
+        first_token_at=c.first_token_at,
+        finished_at=c.finished_at or None,
+        queue_wait_s=_diff(inf.started_at, enqueued),
+        ttft_s=_diff(c.first_token_at, inf.started_at),
+        prefill_tps=_rate(c.prompt_tokens, c.prefill_seconds),
+        decode_tps=_rate(n - 1, c.decode_seconds),
+    )
+
+
+def _diff(end: float | None, start: float | None) -> float | None:
+    return None if end is None or start is None else max(0.0, end - start)
+
+
+def _rate(count: int, seconds: float | None) -> float | None:
+    return count / seconds if seconds and count > 0 else None

@@ -1,0 +1,92 @@
+"""Recovering jobs from workers that died (SIGKILL, power loss, a laptop that slept).
+
+A running job is listed in RQ's StartedJobRegistry under ``job_id:execution_id`` with a
+score that its worker's heartbeat keeps pushing forward. When the score falls behind the
+clock, the worker is gone: RQ itself would mark such a job failed; mlxq puts it back at the
+front of its queue so another worker runs it. A job that keeps killing its workers (say it
+runs a machine out of memory) is failed after ``max_abandons`` tries instead of looping.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+from rq.job import Job
+from rq.job_lifecycle import record_job_failure
+from rq.queue import Queue
+from rq.utils import current_timestamp, parse_composite_key
+
+from mlxq import keys
+
+log = logging.getLogger("mlxq.recovery")
+
+MAX_ABANDONS = 3
+
+
+def abandons_key(job_id: str) -> str:
+    """How many times a dead worker has left this job behind."""
+    return f"{keys.PREFIX}:abandons:{job_id}"
+
+
+def requeue_abandoned(queue: Queue, max_abandons: int = MAX_ABANDONS) -> list[str]:
+    """Put back every job of ``queue`` whose worker stopped heartbeating; returns their ids."""
+    conn = queue.connection
+    registry = queue.started_job_registry
+    moved = []
+    for member in conn.zrangebyscore(registry.key, 0, current_timestamp()):
+        member = member.decode() if isinstance(member, bytes) else member
+        job_id, execution_id = parse_composite_key(member)
+        if _requeue_one(queue, registry.key, member, job_id, execution_id, max_abandons):
+            moved.append(job_id)
+    return moved
+
+
+def _requeue_one(
+    queue: Queue, registry_key: str, member: str, job_id: str, execution_id: str, limit: int
+) -> bool:
+    conn = queue.connection
+    job_key = Job.key_for(job_id)
+    with conn.pipeline() as pipe:
+        try:
+            pipe.watch(job_key, registry_key)
+            status = pipe.hget(job_key, "status")
+            if status != b"started" or pipe.zscore(registry_key, member) is None:
+                pipe.multi()
+                pipe.zrem(registry_key, member)
+                pipe.execute()
+                return False
+            tries = int(pipe.get(abandons_key(job_id)) or 0) + 1
+            pipe.multi()
+            _drop_execution(pipe, registry_key, member, job_id, execution_id)
+            pipe.set(abandons_key(job_id), tries, ex=keys.BATCH_TTL)
+            if tries > limit:
+                _fail(queue, job_id, tries, pipe)
+            else:
+                pipe.hset(job_key, "status", "queued")
+                pipe.lpush(queue.key, job_id)
+            pipe.execute()
+        except redis.WatchError:
+            return False  # someone else (the worker itself, or another sweeper) got there first
+    log.warning(
+        "job %s: its worker stopped heartbeating; %s (attempt %d)",
+        job_id,
+        "failed it" if tries > limit else f"put it back on {queue.name}",
+        tries,
+    )
+    return True
+
+
+def _drop_execution(pipe, registry_key: str, member: str, job_id: str, execution_id: str) -> None:
+    pipe.zrem(registry_key, member)
+    pipe.delete(f"rq:execution:{job_id}:{execution_id}")
+    pipe.zrem(f"rq:executions:{job_id}", execution_id)
+
+
+def _fail(queue: Queue, job_id: str, tries: int, pipe) -> None:
+    job = Job.fetch(job_id, connection=queue.connection, serializer=queue.serializer)
+    message = (
+        f"abandoned {tries} times by workers that died while running it (killed, crashed or "
+        "out of memory); not retried again. Check the workers' logs and the request's size"
+    )
+    record_job_failure(job, message, pipe)
