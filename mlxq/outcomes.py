@@ -95,7 +95,7 @@ def _write(pipe, worker: BaseWorker, inf: InFlight, result: Result) -> None:
         job.finished_job_registry.add(job, ttl, pipe)
         worker.increment_successful_job_count(pipeline=pipe)
     elif status == JobStatus.CANCELED:
-        job.canceled_job_registry.add(job, ttl, pipe)
+        inf.queue.canceled_job_registry.add(job, ttl, pipe)
     else:
         job.failed_job_registry.add(job, ttl, exc_string=result.error or "", pipeline=pipe)
         worker.increment_failed_job_count(pipeline=pipe)

@@ -1,0 +1,213 @@
+"""Faults injected for real: worker processes killed and stopped by signals, Redis
+restarted under load. Every test checks the books: each job has exactly one result."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from mlxq import queue as q
+from mlxq.server import make_server
+from mlxq.types import Request
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_worker(url: str, model: str, *args: str, name: str) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlxq",
+        "worker",
+        "--model",
+        model,
+        "-q",
+        "faults",
+        "--max-batch",
+        "4",
+        "--prefill-batch",
+        "2",
+        "--name",
+        name,
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "MLXQ_REDIS_URL": url},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def submit(conn: redis.Redis, n: int, max_tokens: int) -> str:
+    reqs = [
+        Request(prompt=f"Story {i}:", max_tokens=max_tokens, custom_id=f"r{i}") for i in range(n)
+    ]
+    return q.submit(conn, reqs, queue="faults").batch_id
+
+
+def wait_until(pred, timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not pred():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def assert_books_balance(conn: redis.Redis, batch_id: str, n: int) -> list:
+    """Every job done exactly once: one result per job, all finished, none twice."""
+    status = q.batch_status(conn, batch_id)
+    assert (status.total, status.finished, status.failed, status.queued, status.started) == (
+        n,
+        n,
+        0,
+        0,
+        0,
+    ), status
+    ids = q.batch_job_ids(conn, batch_id)
+    assert [conn.xlen(f"rq:results:{j}") for j in ids] == [1] * n
+    results = list(q.iter_batch_results(conn, batch_id))
+    assert [r.custom_id for r in results] == [f"r{i}" for i in range(n)]
+    return results
+
+
+def stop(proc: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 60) -> str:
+    proc.send_signal(sig)
+    return proc.communicate(timeout=timeout)[0]
+
+
+def test_killed_worker_jobs_complete_on_another_worker(tiny_model, valkey_url, conn):
+    batch = submit(conn, 8, max_tokens=600)
+    a = start_worker(valkey_url, tiny_model, "--abandon-after", "3", name="doomed")
+    wait_until(lambda: q.batch_status(conn, batch).started > 0, 120, "worker A to start jobs")
+    a.kill()  # SIGKILL: no chance to put anything back
+    a.wait()
+    held = q.batch_status(conn, batch).started
+    assert held > 0
+    killed_at = time.monotonic()
+    b = start_worker(valkey_url, tiny_model, "--abandon-after", "3", name="rescuer")
+    try:
+        wait_until(lambda: q.batch_status(conn, batch).done == 8, 180, "the batch to finish")
+        recovery_s = time.monotonic() - killed_at
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {q.batch_status(conn, batch)}\n{stop(b)}") from e
+    out = stop(b)
+    assert b.returncode == 0, out
+    results = assert_books_balance(conn, batch, 8)
+    assert {r.worker for r in results} <= {"doomed", "rescuer"}
+    assert recovery_s < 60, recovery_s
+    print(f"recovered {held} jobs of a SIGKILLed worker in {recovery_s:.1f}s")
+
+
+def test_sigterm_finishes_or_puts_back_and_exits_zero(tiny_model, valkey_url, conn):
+    batch = submit(conn, 8, max_tokens=2000)
+    a = start_worker(valkey_url, tiny_model, "--grace-period", "1", name="stopper")
+    wait_until(lambda: q.batch_status(conn, batch).started > 0, 120, "jobs to start")
+    out = stop(a, signal.SIGTERM)
+    assert a.returncode == 0, out
+    s = q.batch_status(conn, batch)
+    assert s.started == 0 and s.queued + s.finished == 8, s
+    assert "put job" in out  # the 1 s grace was too short for 2000-token jobs
+    b = start_worker(valkey_url, tiny_model, "--burst", name="finisher")
+    out_b = b.communicate(timeout=300)[0]
+    assert b.returncode == 0, out_b
+    assert_books_balance(conn, batch, 8)
+
+
+def test_second_signal_stops_at_once_still_putting_jobs_back(tiny_model, valkey_url, conn):
+    batch = submit(conn, 4, max_tokens=1800)
+    a = start_worker(valkey_url, tiny_model, "--grace-period", "120", name="impatient")
+    wait_until(lambda: q.batch_status(conn, batch).started > 0, 120, "jobs to start")
+    a.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    start = time.monotonic()
+    out = stop(a, signal.SIGINT)
+    assert time.monotonic() - start < 30 and a.returncode == 0, out
+    s = q.batch_status(conn, batch)
+    assert s.started == 0 and s.queued + s.finished == 4, s
+
+
+def test_redis_restart_mid_batch_loses_nothing(tiny_model, tmp_path):
+    server = make_server(data_dir=tmp_path / "data", persist=True)
+    server.start()
+    port = server.port
+    url = f"redis://127.0.0.1:{port}/0"
+    conn = redis.Redis.from_url(url)
+    batch = submit(conn, 10, max_tokens=300)
+    w = start_worker(url, tiny_model, name="survivor")
+    waiter = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlxq",
+            "results",
+            batch,
+            "--wait",
+            "--timeout",
+            "240",
+            "-o",
+            str(tmp_path / "out.jsonl"),
+            "--redis-url",
+            url,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_until(lambda: q.batch_status(conn, batch).finished > 0, 120, "first results")
+        server.stop()  # SIGTERM: Valkey writes its append-only file and exits
+        time.sleep(2)
+        server = make_server(port=port, data_dir=tmp_path / "data", persist=True)
+        server.start()
+        out = waiter.communicate(timeout=240)[0]
+        assert waiter.returncode == 0, out
+        assert_books_balance(conn, batch, 10)
+        lines = (tmp_path / "out.jsonl").read_text().splitlines()
+        assert [json.loads(x)["custom_id"] for x in lines] == [f"r{i}" for i in range(10)]
+    finally:
+        log = stop(w)
+        server.stop()
+    assert w.returncode == 0, log
+    assert "Redis unreachable" in log
+
+
+def test_cancel_stops_queued_and_running_jobs(tiny_model, valkey_url, conn):
+    batch = submit(conn, 10, max_tokens=1800)
+    a = start_worker(valkey_url, tiny_model, name="cancelled")
+    try:
+        wait_until(lambda: q.batch_status(conn, batch).started > 0, 120, "jobs to start")
+        env = {**os.environ, "MLXQ_REDIS_URL": valkey_url}
+        res = subprocess.run(
+            [sys.executable, "-m", "mlxq", "cancel", batch],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert res.returncode == 0, res.stderr
+        settled = lambda: (s := q.batch_status(conn, batch)).queued + s.started == 0  # noqa: E731
+        wait_until(settled, 60, "every job to be cancelled or done")
+    finally:
+        out = stop(a)
+    assert a.returncode == 0, out
+    s = q.batch_status(conn, batch)
+    assert s.cancelled >= 1 and s.cancelled + s.finished == 10, s
+    results = list(q.iter_batch_results(conn, batch))
+    cancelled = [r for r in results if r.finish_reason == "cancelled"]
+    assert len(cancelled) == s.cancelled
+    assert any(r.token_ids for r in cancelled)  # the running ones kept their partial output
