@@ -8,6 +8,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -17,40 +18,12 @@ import redis
 
 from mlxq import keys
 from mlxq import queue as q
+from mlxq.cli_fleet import print_queue_overview, workers
+from mlxq.cli_support import connect, fail, redis_option
+from mlxq.formats import is_error, to_openai_line
 from mlxq.types import BatchStatus, Result, json_encoder
 
-DEFAULT_LOCAL_URL = "redis://127.0.0.1:6379/0"
 MODEL_COMMANDS = {"worker", "run", "make-model"}
-
-
-def _redis_option(f: Callable) -> Callable:
-    return click.option(
-        "--redis-url",
-        envvar=keys.ENV_REDIS_URL,
-        show_envvar=True,
-        default=DEFAULT_LOCAL_URL,
-        show_default=True,
-        help="Redis/Valkey to use (redis://, rediss:// for TLS, unix://).",
-    )(f)
-
-
-def _fail(message: str, code: int = 1) -> None:
-    click.echo(f"mlxq: error: {message}", err=True)
-    sys.exit(code)
-
-
-def _connect(url: str) -> redis.Redis:
-    conn = q.connect(url)
-    try:
-        conn.ping()
-    except redis.RedisError as e:
-        safe = redis.connection.parse_url(url) if url.startswith("redis") else {}
-        where = f"{safe.get('host', url)}:{safe.get('port', '')}" if safe else "the server"
-        _fail(
-            f"cannot reach Redis at {where} ({e}); start one with `mlxq server`, "
-            f"or set --redis-url / {keys.ENV_REDIS_URL}"
-        )
-    return conn
 
 
 def _setup_logging(level: str) -> None:
@@ -82,9 +55,9 @@ def _read_file(path: str, skip_invalid: bool):  # -> ParsedInput
     try:
         parsed = read_requests(path, skip_invalid=skip_invalid)
     except InputFileError as e:
-        _fail(f"{e}\nnothing was enqueued; fix the lines above or pass --skip-invalid")
+        fail(f"{e}\nnothing was enqueued; fix the lines above or pass --skip-invalid")
     except OSError as e:
-        _fail(f"cannot read {path}: {e.strerror or e}")
+        fail(f"cannot read {path}: {e.strerror or e}")
     for err in parsed.errors:
         click.echo(f"skipped {path}:{err.line}: {err.message}", err=True)
     return parsed
@@ -132,7 +105,7 @@ def _read_file(path: str, skip_invalid: bool):  # -> ParsedInput
     help="With --wait: write the results here (JSONL).",
 )
 @click.option("--timeout", type=float, help="With --wait: give up after this many seconds.")
-@_redis_option
+@redis_option
 def submit(
     file: str,
     queue_name: str | None,
@@ -154,9 +127,9 @@ def submit(
     (nothing is enqueued) unless --skip-invalid.
     """
     if output and not wait:
-        _fail("-o/--output needs --wait (or collect later with `mlxq results BATCH -o FILE`)")
+        fail("-o/--output needs --wait (or collect later with `mlxq results BATCH -o FILE`)")
     parsed = _read_file(file, skip_invalid)
-    conn = _connect(redis_url)
+    conn = connect(redis_url)
     queue_name = queue_name or keys.queue_name_for_model(model)
     with _bar(len(parsed.requests), "enqueueing") as bar:
         info = q.submit(
@@ -198,7 +171,7 @@ def _wait_with_bar(conn: redis.Redis, batch_id: str, timeout: float | None) -> B
         try:
             status = q.wait_for_batch(conn, batch_id, timeout=timeout, on_progress=progress)
         except TimeoutError as e:
-            _fail(str(e))
+            fail(str(e))
     rate = status.total / max(1e-9, time.monotonic() - start)
     click.echo(
         f"batch {batch_id}: {status.finished} finished, {status.failed} failed "
@@ -208,13 +181,32 @@ def _wait_with_bar(conn: redis.Redis, batch_id: str, timeout: float | None) -> B
     return status
 
 
-def _write_results(conn: redis.Redis, batch_id: str, out: TextIO) -> tuple[int, int]:
+@dataclass
+class OutputFormat:
+    """How results are written: mlxq's own lines, or OpenAI Batch output + error lines."""
+
+    kind: str = "mlxq"
+    endpoint: str = "/v1/chat/completions"
+    errors: str | None = None  # openai: where error lines go (default: beside the output)
+
+    def line(self, result: Result) -> tuple[bool, str]:
+        """(is_error_line, JSON text) of one result."""
+        if self.kind == "mlxq":
+            return False, json_encoder.encode(result).decode()
+        data = to_openai_line(result, self.endpoint)
+        return is_error(result), json_encoder.encode(data).decode()
+
+
+def _write_results(
+    conn: redis.Redis, batch_id: str, out: TextIO, err: TextIO, fmt: OutputFormat
+) -> tuple[int, int]:
     written = missing = 0
     for result in q.iter_batch_results(conn, batch_id):
         if result is None:
             missing += 1
             continue
-        out.write(json_encoder.encode(result).decode() + "\n")
+        to_errors, text = fmt.line(result)
+        (err if to_errors else out).write(text + "\n")
         written += 1
     return written, missing
 
@@ -227,18 +219,39 @@ def _wait_and_write(
         _emit_results(conn, batch_id, output)
 
 
-def _emit_results(conn: redis.Redis, batch_id: str, output: str) -> None:
+def _emit_results(
+    conn: redis.Redis, batch_id: str, output: str, fmt: OutputFormat | None = None
+) -> None:
+    fmt = fmt or OutputFormat()
+    errors = fmt.errors or (_errors_path(output) if fmt.kind == "openai" else output)
+    for path in {output, errors} - {"-"}:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with click.open_file(output, "w") as out, _same_or_open(errors, output, out) as err:
+        written, missing = _write_results(conn, batch_id, out, err, fmt)
     if output != "-":
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-    with click.open_file(output, "w") as out:
-        written, missing = _write_results(conn, batch_id, out)
-    if output != "-":
-        click.echo(f"wrote {written} results to {output}", err=True)
+        also = f" (errors in {errors})" if errors != output else ""
+        click.echo(f"wrote {written} results to {output}{also}", err=True)
     if missing:
-        _fail(
+        fail(
             f"{missing} of {written + missing} requests are not done yet; "
             f"rerun with --wait to wait for them"
         )
+
+
+def _errors_path(output: str) -> str:
+    if output == "-":
+        return "-"
+    p = Path(output)
+    return str(p.with_name(p.stem + "_errors" + (p.suffix or ".jsonl")))
+
+
+@contextlib.contextmanager
+def _same_or_open(path: str, output: str, out: TextIO) -> Iterator[TextIO]:
+    if path == output:
+        yield out
+    else:
+        with click.open_file(path, "w") as f:
+            yield f
 
 
 @cli.command()
@@ -251,31 +264,67 @@ def _emit_results(conn: redis.Redis, batch_id: str, output: str) -> None:
     show_default=True,
     help="Where to write the JSONL results.",
 )
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["mlxq", "openai"]),
+    default="mlxq",
+    show_default=True,
+    help="mlxq result lines, or OpenAI Batch output lines (failed requests go to an "
+    "errors file, as OpenAI's error_file).",
+)
+@click.option(
+    "--endpoint",
+    type=click.Choice(["/v1/chat/completions", "/v1/completions"]),
+    default="/v1/chat/completions",
+    show_default=True,
+    help="With --format openai: the response body shape.",
+)
+@click.option(
+    "--errors",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    help="With --format openai: where error lines go [default: OUTPUT_errors.jsonl].",
+)
 @click.option("--wait", is_flag=True, help="Wait for the batch to finish, with a progress bar.")
 @click.option("--timeout", type=float, help="With --wait: give up after this many seconds.")
-@_redis_option
-def results(batch_id: str, output: str, wait: bool, timeout: float | None, redis_url: str) -> None:
+@redis_option
+def results(
+    batch_id: str,
+    output: str,
+    fmt: str,
+    endpoint: str,
+    errors: str | None,
+    wait: bool,
+    timeout: float | None,
+    redis_url: str,
+) -> None:
     """Write a batch's results as JSONL, one line per request in input order."""
-    conn = _connect(redis_url)
+    conn = connect(redis_url)
     try:
         if wait:
             _wait_with_bar(conn, batch_id, timeout)
-        _emit_results(conn, batch_id, output)
+        _emit_results(conn, batch_id, output, OutputFormat(fmt, endpoint, errors))
     except q.BatchNotFound as e:
-        _fail(str(e))
+        fail(str(e))
 
 
 @cli.command()
-@click.argument("batch_id")
+@click.argument("batch_id", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
-@_redis_option
-def status(batch_id: str, as_json: bool, redis_url: str) -> None:
-    """Counts of a batch's jobs: total, queued, started, finished, failed."""
-    conn = _connect(redis_url)
+@redis_option
+def status(batch_id: str | None, as_json: bool, redis_url: str) -> None:
+    """Counts of a batch's jobs: total, queued, started, finished, failed.
+
+    Without BATCH_ID: every queue with its depth and the oldest job's age.
+    """
+    conn = connect(redis_url)
+    if batch_id is None:
+        print_queue_overview(conn, as_json)
+        return
     try:
         s = q.batch_status(conn, batch_id)
     except q.BatchNotFound as e:
-        _fail(str(e))
+        fail(str(e))
     if as_json:
         click.echo(json_encoder.encode(s).decode())
         return
@@ -292,27 +341,27 @@ def _job_ids(conn: redis.Redis, target: str) -> list[str]:
     except q.BatchNotFound:
         if conn.exists(f"rq:job:{target}"):
             return [target]
-    _fail(f"no batch or job {target!r} on this Redis (check the id and --redis-url)")
+    fail(f"no batch or job {target!r} on this Redis (check the id and --redis-url)")
     return []
 
 
 @cli.command()
 @click.argument("target", metavar="BATCH|JOB")
-@_redis_option
+@redis_option
 def cancel(target: str, redis_url: str) -> None:
     """Cancel a batch or one job: queued jobs are removed, running ones stop at the next
     step (their results say cancelled). Finished jobs are left alone."""
-    conn = _connect(redis_url)
+    conn = connect(redis_url)
     dequeued, flagged = q.cancel_jobs(conn, _job_ids(conn, target))
     click.echo(f"{target}: removed {dequeued} queued jobs, stopping {flagged} running jobs")
 
 
 @cli.command()
 @click.argument("target", metavar="BATCH|JOB")
-@_redis_option
+@redis_option
 def retry(target: str, redis_url: str) -> None:
     """Put the failed jobs of a batch (or one failed job) back on their queue."""
-    conn = _connect(redis_url)
+    conn = connect(redis_url)
     count = q.retry_failed(conn, _job_ids(conn, target))
     click.echo(f"{target}: re-queued {count} failed jobs")
 
@@ -375,9 +424,9 @@ def _profile(profile: str | None, **overrides: Any):  # -> WorkerProfile
         base = load_profile(profile) if profile else WorkerProfile()
         merged = merge(base, overrides)
     except ProfileError as e:
-        _fail(str(e))
+        fail(str(e))
     if not merged.model:
-        _fail("no model: pass --model (a local folder or a hub id) or --profile")
+        fail("no model: pass --model (a local folder or a hub id) or --profile")
     return merged
 
 
@@ -391,8 +440,13 @@ def _profile(profile: str | None, **overrides: Any):  # -> WorkerProfile
     help="Queue to serve (repeatable) [default: the model's queue, then 'default'].",
 )
 @click.option("--burst", is_flag=True, help="Exit once the queues are empty and nothing runs.")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    help="Serve Prometheus metrics on this port (pip install 'mlxq[metrics]').",
+)
 @click.option("--name", help="Worker name shown by `rq info` [default: random].")
-@_redis_option
+@redis_option
 def worker(
     profile: str | None,
     log_level: str,
@@ -406,7 +460,7 @@ def worker(
 
     _setup_logging(log_level)
     prof = _profile(profile, queues=list(queues), **settings)
-    conn = _connect(redis_url)
+    conn = connect(redis_url)
     run_worker(prof, conn, burst=burst, log_level=log_level)
 
 
@@ -451,7 +505,7 @@ def run(
     parsed = _read_file(file, skip_invalid)
     server = contextlib.nullcontext(redis_url) if redis_url else embedded()
     with server as url:
-        conn = _connect(url)
+        conn = connect(url)
         batch_id = q.new_batch_id()
         queue_name = f"run-{batch_id}"  # private: this run's worker drains exactly this batch
         q.submit(
@@ -518,7 +572,7 @@ def server(port: int, host: str, data_dir: Path, no_persist: bool, password: str
     from mlxq.server import make_server
 
     if host not in ("127.0.0.1", "localhost", "::1") and not password:
-        _fail(
+        fail(
             f"refusing to listen on {host} without --password: anyone on the network "
             "could read and write your queues"
         )
@@ -531,7 +585,7 @@ def server(port: int, host: str, data_dir: Path, no_persist: bool, password: str
     try:
         while srv.is_running():
             time.sleep(1)
-        _fail("the server exited; see its log in " + str(data_dir / "valkey.log"))
+        fail("the server exited; see its log in " + str(data_dir / "valkey.log"))
     except KeyboardInterrupt:
         click.echo("stopping (saving data)...", err=True)
     finally:
@@ -553,9 +607,12 @@ def make_model_cmd(dest: Path, preset: str, seed: int) -> None:
     from mlxq.make_model import PRESETS, make_model
 
     if preset not in PRESETS:
-        _fail(f"unknown preset {preset!r}; choose one of {', '.join(sorted(PRESETS))}")
+        fail(f"unknown preset {preset!r}; choose one of {', '.join(sorted(PRESETS))}")
     path = make_model(dest, preset=preset, seed=seed)
     click.echo(f"wrote a random-weight {preset} model to {path}")
+
+
+cli.add_command(workers)
 
 
 def main() -> None:
@@ -567,4 +624,4 @@ def main() -> None:
     try:
         cli(standalone_mode=True)
     except msgspec.ValidationError as e:  # pragma: no cover - defensive
-        _fail(str(e))
+        fail(str(e))

@@ -9,8 +9,9 @@ import redis
 
 from mlxq import keys
 from mlxq.engine import Engine
-from mlxq.hardware import device_facts
+from mlxq.hardware import DeviceFacts
 from mlxq.profile import WorkerProfile
+from mlxq.reporting import Reporter
 from mlxq.runner import Runner
 from mlxq.scheduler import MAX_AUTO_BATCH, Scheduler, auto_max_batch, memory_budget
 from mlxq.types import Result
@@ -44,16 +45,15 @@ def make_runner(profile: WorkerProfile) -> Runner:
         engine.warmup()
         return engine
 
-    def make_scheduler(engine: Engine) -> Scheduler:
-        return build_scheduler(engine, profile)
+    def make_scheduler(engine: Engine, facts: DeviceFacts) -> Scheduler:
+        return build_scheduler(engine, facts, profile)
 
     return Runner(make_engine, make_scheduler)
 
 
-def build_scheduler(engine: Engine, profile: WorkerProfile) -> Scheduler:
+def build_scheduler(engine: Engine, facts: DeviceFacts, profile: WorkerProfile) -> Scheduler:
     """Size the batch and KV budget from the device's memory and the model's shape."""
     info = engine.info
-    facts = device_facts()
     budget = memory_budget(facts.recommended_bytes, info.param_bytes, profile.memory_fraction)
     max_batch = profile.max_batch or auto_max_batch(budget, info.kv_bytes_per_token)
     log.info(
@@ -112,8 +112,28 @@ def run_worker(
         grace_period=profile.grace_period,
     )
     worker.on_finish = on_finish
+    worker.reporter = _reporter(worker, profile, runner)
     try:
         worker.work(burst=burst, logging_level=log_level)
     finally:
         runner.stop()
     return worker
+
+
+def _reporter(worker: MlxqWorker, profile: WorkerProfile, runner: Runner) -> Reporter:
+    metrics = None
+    if profile.metrics_port is not None:
+        from mlxq.metrics import WorkerMetrics
+
+        metrics = WorkerMetrics()
+        metrics.serve(profile.metrics_port)
+        log.info("metrics on http://0.0.0.0:%d/metrics", metrics.port)
+    assert runner.facts is not None
+    return Reporter(
+        worker.name,
+        profile.model or "",
+        worker.queue_names(),
+        runner.facts,
+        profile.adapter_path,
+        metrics,
+    )

@@ -28,6 +28,8 @@ class WorkerProfile(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     abandon_after: Annotated[int, Meta(ge=3, le=3600)] = 30
     grace_period: Annotated[float, Meta(ge=0.0)] = 60.0
     name: str | None = None
+    # Serve Prometheus metrics on this port (needs the `metrics` extra).
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
 
 
 class ProfileError(ValueError):

@@ -34,6 +34,8 @@ class BatchNotFound(LookupError):
 
 def connect(url: str) -> redis.Redis:
     """A Redis client for ``url`` (``redis://``, ``rediss://`` or ``unix://``)."""
+    if url.startswith("unix://"):  # TCP keepalive does not apply to a socket file
+        return redis.Redis.from_url(url, health_check_interval=30)
     return redis.Redis.from_url(url, health_check_interval=30, socket_keepalive=True)
 
 

@@ -10,11 +10,15 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import mlx.core as mx
+
 from mlxq.engine import Completion, Engine, EngineJob
+from mlxq.hardware import DeviceFacts, device_facts
 from mlxq.scheduler import Scheduler
 from mlxq.types import ModelInfo
 
@@ -43,7 +47,7 @@ class Runner:
     def __init__(
         self,
         make_engine: Callable[[], Engine],
-        make_scheduler: Callable[[Engine], Scheduler],
+        make_scheduler: Callable[[Engine, DeviceFacts], Scheduler],
     ) -> None:
         self._make_engine = make_engine
         self._make_scheduler = make_scheduler
@@ -56,6 +60,9 @@ class Runner:
         self._thread = threading.Thread(target=self._main, name="mlxq-mlx", daemon=True)
         self.engine: Engine | None = None
         self.scheduler: Scheduler | None = None
+        self.facts: DeviceFacts | None = None  # set when the engine starts
+        self.memory: tuple[int, int] = (0, 0)  # MLX (active, peak) bytes, sampled each second
+        self._memory_at = 0.0
 
     # -- called from other threads -------------------------------------------------
     def start(self) -> ModelInfo:
@@ -106,7 +113,8 @@ class Runner:
     def _main(self) -> None:
         try:
             self.engine = self._make_engine()
-            self.scheduler = self._make_scheduler(self.engine)
+            self.facts = device_facts()
+            self.scheduler = self._make_scheduler(self.engine, self.facts)
         except BaseException as e:  # reported to start()'s caller
             self._error = e
             self._ready.set()
@@ -118,11 +126,17 @@ class Runner:
                 self._admit()
                 if self.engine.active:
                     self._emit(self.engine.step())
+                self._sample_memory()
         except BaseException as e:
             log.exception("MLX thread stopped on an unexpected error")
             self._error = e
         finally:
             self.engine.close()
+
+    def _sample_memory(self) -> None:
+        if time.monotonic() - self._memory_at >= 1.0:
+            self._memory_at = time.monotonic()
+            self.memory = (mx.get_active_memory(), mx.get_peak_memory())
 
     def _take_inbox(self, block: bool) -> None:
         try:

@@ -209,6 +209,26 @@ class WorkerInfo(Struct):
     adapter_path: str | None = None
 
 
+class QueueInfo(Struct):
+    """One RQ queue at a glance (``mlxq status`` without a batch id).
+
+    ``queued`` is the queue's length; ``started``, ``finished`` and ``failed`` are the
+    sizes of RQ's registries for it (``started`` counts executions, one per running job).
+    ``oldest_enqueued_at`` (Unix seconds) and ``oldest_age_s`` describe the longest-waiting
+    queued job, or are None when the queue is empty. ``workers`` is how many live mlxq
+    workers serve the queue.
+    """
+
+    name: str
+    queued: int
+    started: int
+    finished: int
+    failed: int
+    oldest_enqueued_at: float | None
+    oldest_age_s: float | None
+    workers: int = 0
+
+
 # Shared encoders/decoders: building them once is much faster than per call.
 json_encoder = msgspec.json.Encoder()
 request_decoder = msgspec.json.Decoder(Request)

@@ -20,11 +20,12 @@ from rq.queue import Queue
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
-from mlxq import keys
+from mlxq import fleet, keys
 from mlxq.engine import Completion, EngineJob, JobInputError
 from mlxq.intake import JobRejected, decode_job, dequeue_many, register
 from mlxq.outcomes import InFlight, build_result, still_held, unrun_result, write_results
 from mlxq.recovery import requeue_abandoned
+from mlxq.reporting import Reporter
 from mlxq.runner import Runner, Work
 from mlxq.serializer import serializer
 from mlxq.types import JobMeta, Request, Result
@@ -70,6 +71,7 @@ class MlxqWorker(BaseWorker):
         self.grace_period = grace_period
         self.inflight: dict[str, InFlight] = {}
         self.jobs_done = 0
+        self.reporter: Reporter | None = None  # set by the launcher: fleet info, metrics
         # Called with each finished job's Result (progress bars, metrics).
         self.on_finish: Callable[[Result], None] | None = None
         self._force_stop = False
@@ -126,6 +128,7 @@ class MlxqWorker(BaseWorker):
         finally:
             self._requeue_all()
             self.runner.stop()
+            self._forget()
             self.teardown()
         return self.jobs_done > 0
 
@@ -209,7 +212,7 @@ class MlxqWorker(BaseWorker):
             try:
                 request, tokens = self._vet(job)
             except (JobRejected, JobInputError) as e:
-                self._fail(job, queue, execution, str(e))
+                self._fail(job, queue, execution, str(e), reason="rejected")
                 continue
             meta = msgspec.convert(job.meta or {}, JobMeta)
             inf = InFlight(job, queue, execution, request, meta, time.time())
@@ -246,6 +249,8 @@ class MlxqWorker(BaseWorker):
             result = build_result(inf, c, self.model_name, self.name)
             if self.on_finish is not None:
                 self.on_finish(result)
+            if self.reporter is not None:
+                self.reporter.finished(result)
             if c.finish_reason == "error":
                 if still_held(self.connection, [inf])[0]:
                     self._fail(inf.job, inf.queue, inf.execution, c.error or "generation failed")
@@ -261,9 +266,11 @@ class MlxqWorker(BaseWorker):
         if not self.inflight and self.get_state() == WorkerStatus.BUSY:
             self.set_state(WorkerStatus.IDLE)
 
-    def _fail(self, job: Job, queue: Queue, execution, message: str) -> None:
+    def _fail(self, job: Job, queue: Queue, execution, message: str, reason: str = "error") -> None:
         """Fail one job through RQ (failed registry, retries); the others carry on."""
         self.log.warning("Worker %s: job %s failed: %s", self.name, job.id, message)
+        if self.reporter is not None:
+            self.reporter.failed(reason)
         job.ended_at = now()
         job._status = JobStatus.FAILED
         self.handle_job_failure(job, queue, exc_string=message, execution=execution)
@@ -287,6 +294,14 @@ class MlxqWorker(BaseWorker):
                     )
                     inf.job.heartbeat(stamp, self.abandon_after, pipeline=pipe, xx=True)
             pipe.execute()
+        if self.reporter is not None and self.runner.scheduler is not None:
+            self.reporter.publish(
+                self.connection,
+                self.runner.scheduler,
+                len(self.inflight),
+                ttl=self.abandon_after,
+                memory=self.runner.memory,
+            )
         for inf, ok in zip(items, held, strict=True):
             if not ok:
                 self.log.warning("Worker %s: lost job %s to another worker", self.name, inf.job.id)
@@ -341,6 +356,13 @@ class MlxqWorker(BaseWorker):
                     e,
                 )
             del self.inflight[key]
+
+    def _forget(self) -> None:
+        """Drop this worker from `mlxq workers` at once on a clean exit."""
+        try:
+            fleet.remove(self.connection, self.name)
+        except redis.RedisError:
+            pass  # it expires by itself
 
     def subscribe(self) -> None:
         """RQ's command channel, polled every quarter second so exiting never waits long

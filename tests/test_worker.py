@@ -113,3 +113,34 @@ def test_client_takes_openai_batch_lines(conn, valkey_url):
         q.batch_job_ids(conn, batch.batch_id)[0], connection=conn, serializer=serializer
     )
     assert job.args[0]["prompt"] == "Hi" and job.args[0]["max_tokens"] == 5
+
+
+def test_worker_publishes_itself_and_serves_metrics(conn, profile):
+    import urllib.request
+
+    import msgspec
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mlxq import fleet
+
+    seen = []
+    prof = msgspec.structs.replace(profile, metrics_port=0, name="pub-1")
+    q.submit(conn, [Request(prompt=f"p{i}", max_tokens=4) for i in range(6)], queue="mq")
+
+    def on_finish(result):
+        seen.extend(fleet.live_workers(conn))
+
+    worker = run_worker(prof, conn, burst=True, queues=["mq"], on_finish=on_finish)
+    assert seen and seen[0].name == "pub-1" and seen[0].model == prof.model
+    assert seen[0].queues == ["mq"] and seen[0].max_batch == 4 and seen[0].kv_budget_bytes > 0
+    assert fleet.live_workers(conn) == []  # a clean exit drops it at once
+    port = worker.reporter.metrics.port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+    finished = sum(v for (n, labels), v in samples.items() if n == "mlxq_jobs_total")
+    assert finished == 6
+    worker.reporter.metrics.stop()

@@ -1,0 +1,73 @@
+"""What every mlxq command shares: the ``--redis-url`` option, connecting, failing."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+import click
+import redis
+
+from mlxq import keys
+from mlxq import queue as q
+
+DEFAULT_LOCAL_URL = "redis://127.0.0.1:6379/0"
+
+
+def redis_option(f: Callable) -> Callable:
+    """``--redis-url`` as every mlxq command takes it (``MLXQ_REDIS_URL``)."""
+    return click.option(
+        "--redis-url",
+        envvar=keys.ENV_REDIS_URL,
+        show_envvar=True,
+        default=DEFAULT_LOCAL_URL,
+        show_default=True,
+        help="Redis/Valkey to use (redis://, rediss:// for TLS, unix://).",
+    )(f)
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print ``mlxq: error: MESSAGE`` on stderr and exit."""
+    click.echo(f"mlxq: error: {message}", err=True)
+    sys.exit(code)
+
+
+def describe_url(url: str) -> str:
+    """Where ``url`` points, without its credentials: ``host:port/db`` or the socket path."""
+    try:
+        parts = redis.connection.parse_url(url)
+    except ValueError:
+        return "the configured server"
+    if "path" in parts:
+        return f"unix:{parts['path']}"
+    where = f"{parts.get('host', '127.0.0.1')}:{parts.get('port', 6379)}"
+    return f"{where}/{parts['db']}" if "db" in parts else where
+
+
+def redacted(text: str, url: str) -> str:
+    """``text`` with the URL's password (if any) masked, should an error quote it."""
+    try:
+        password = redis.connection.parse_url(url).get("password")
+    except ValueError:
+        password = None
+    return text.replace(password, "***") if password else text
+
+
+def connect(url: str) -> redis.Redis:
+    """A client for ``url`` that has answered a PING, or exit 1 saying why not."""
+    where = describe_url(url)
+    try:
+        conn = q.connect(url)
+        conn.ping()
+    except redis.AuthenticationError as e:
+        fail(
+            f"Redis at {where} refused the credentials ({redacted(str(e), url)}); check the "
+            f"password in --redis-url / {keys.ENV_REDIS_URL} (redis://:PASSWORD@host:port/db)"
+        )
+    except (redis.RedisError, ValueError) as e:
+        fail(
+            f"cannot reach Redis at {where} ({redacted(str(e), url)}); start one "
+            f"with `mlxq server`, or set --redis-url / {keys.ENV_REDIS_URL}"
+        )
+    return conn

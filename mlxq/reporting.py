@@ -1,0 +1,96 @@
+"""What a worker tells the world: its WorkerInfo in Redis (``mlxq workers``) and, when
+asked for, Prometheus metrics. Fed by the worker loop; touches no MLX state."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import redis
+
+from mlxq import fleet
+from mlxq.hardware import DeviceFacts
+from mlxq.metrics import WorkerMetrics
+from mlxq.scheduler import Scheduler
+from mlxq.types import Result, WorkerInfo
+
+
+class Reporter:
+    """Counts a worker's work and publishes it with each heartbeat."""
+
+    def __init__(
+        self,
+        name: str,
+        model: str,
+        queues: list[str],
+        facts: DeviceFacts,
+        adapter_path: str | None = None,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
+        self.name, self.model, self.queues = name, model, queues
+        self.facts, self.adapter_path, self.metrics = facts, adapter_path, metrics
+        self.rate = fleet.RecentRate()
+        self.done = self.failures = self.tokens = 0
+        self.started_at = time.time()
+        if metrics is not None:
+            metrics.set_info(model=model, device=f"{facts.backend} {facts.name}", host=facts.host)
+
+    def finished(self, result: Result) -> None:
+        """A job ended with a result (any finish reason)."""
+        self.done += 1
+        self.tokens += result.usage.completion_tokens
+        self.rate.add(result.usage.completion_tokens)
+        if self.metrics is not None:
+            self.metrics.job_finished(result)
+
+    def failed(self, reason: str) -> None:
+        """A job failed without a result (rejected, or an error); ``reason`` is a category."""
+        self.failures += 1
+        if self.metrics is not None:
+            self.metrics.job_failed(reason)
+
+    def publish(
+        self,
+        conn: redis.Redis,
+        scheduler: Scheduler,
+        in_flight: int,
+        ttl: int,
+        memory: tuple[int, int] = (0, 0),
+    ) -> None:
+        """Refresh WorkerInfo in Redis (expiring after ``ttl`` s) and the metric gauges."""
+        fleet.publish(conn, self.info(scheduler, in_flight), ttl)
+        if self.metrics is None:
+            return
+        self.metrics.set_in_flight(in_flight)
+        self.metrics.set_kv(scheduler.reserved_bytes, scheduler.budget_bytes)
+        self.metrics.set_memory(*memory)
+        with conn.pipeline(transaction=False) as pipe:
+            for q in self.queues:
+                pipe.llen(f"rq:queue:{q}")
+            for q, depth in zip(self.queues, pipe.execute(), strict=True):
+                self.metrics.set_queue_depth(q, depth)
+
+    def info(self, scheduler: Scheduler, in_flight: int) -> WorkerInfo:
+        """This worker's state now."""
+        return WorkerInfo(
+            name=self.name,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            model=self.model,
+            queues=self.queues,
+            backend=self.facts.backend,
+            device=self.facts.name,
+            memory_bytes=self.facts.memory_bytes,
+            max_batch=scheduler.max_batch,
+            kv_budget_bytes=scheduler.budget_bytes,
+            kv_reserved_bytes=scheduler.reserved_bytes,
+            in_flight=in_flight,
+            jobs_done=self.done,
+            jobs_failed=self.failures,
+            tokens_generated=self.tokens,
+            recent_tps=self.rate.rate(),
+            started_at=self.started_at,
+            heartbeat_at=time.time(),
+            adapter_path=self.adapter_path,
+        )

@@ -1,0 +1,158 @@
+"""OpenAI Batch output lines from mlxq results."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlxq.formats import is_error, to_openai_line
+from mlxq.types import Result, Timing, TokenLogprob, TopLogprob, Usage, result_decoder
+
+# The README's example result, as a worker stores it.
+README_RESULT = b"""{"job_id": "9f1c", "custom_id": "a1", "finish_reason": "length",
+ "text": "Rain on the roof", "token_ids": [791, 1234, 56, 78],
+ "usage": {"prompt_tokens": 14, "completion_tokens": 4, "total_tokens": 18},
+ "logprobs": null, "error": null, "model": "mlx-community/Llama-3.2-3B-Instruct-4bit",
+ "worker": "studio-1", "batch_id": "b3f", "index": 0, "metadata": {},
+ "timing": {"enqueued_at": 1764450000.1, "started_at": 1764450002.3,
+            "first_token_at": 1764450002.5, "finished_at": 1764450004.0,
+            "queue_wait_s": 2.2, "ttft_s": 0.2, "prefill_tps": 870.5, "decode_tps": 41.3}}"""
+
+
+def test_chat_completion_line():
+    line = to_openai_line(result_decoder.decode(README_RESULT))
+    assert json.loads(json.dumps(line)) == line  # plain JSON values only
+    assert line["id"] == "batch_req_9f1c" and line["custom_id"] == "a1"
+    assert line["error"] is None
+    response = line["response"]
+    assert response["status_code"] == 200 and response["request_id"] == "9f1c"
+    body = response["body"]
+    assert body["object"] == "chat.completion" and body["id"] == "chatcmpl-9f1c"
+    assert body["created"] == 1764450004
+    assert body["model"] == "mlx-community/Llama-3.2-3B-Instruct-4bit"
+    assert body["usage"] == {"prompt_tokens": 14, "completion_tokens": 4, "total_tokens": 18}
+    (choice,) = body["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] == "length"
+    assert choice["message"]["role"] == "assistant"
+    assert choice["message"]["content"] == "Rain on the roof"
+    assert choice["logprobs"] is None
+
+
+def test_completions_line():
+    result = result_decoder.decode(README_RESULT)
+    line = to_openai_line(result, "/v1/completions")
+    body = line["response"]["body"]
+    assert body["object"] == "text_completion" and body["id"] == "cmpl-9f1c"
+    (choice,) = body["choices"]
+    assert choice["text"] == "Rain on the roof" and choice["finish_reason"] == "length"
+    assert "message" not in choice and choice["logprobs"] is None
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs"), [("stop", "stop"), ("length", "length"), ("timeout", "length")]
+)
+def test_finish_reasons(ours, theirs):
+    result = Result(job_id="j", custom_id="c", finish_reason=ours, text="partial")
+    assert not is_error(result)
+    for endpoint in ("/v1/chat/completions", "/v1/completions"):
+        choice = to_openai_line(result, endpoint)["response"]["body"]["choices"][0]
+        assert choice["finish_reason"] == theirs
+
+
+@pytest.mark.parametrize(
+    ("reason", "code"),
+    [("error", "request_failed"), ("cancelled", "batch_cancelled"), ("expired", "batch_expired")],
+)
+def test_failed_results_take_the_error_file_form(reason, code):
+    result = Result(job_id="j9", custom_id="c9", finish_reason=reason, error="it broke")
+    assert is_error(result)
+    for endpoint in ("/v1/chat/completions", "/v1/completions"):
+        line = to_openai_line(result, endpoint)
+        assert line == {
+            "id": "batch_req_j9",
+            "custom_id": "c9",
+            "response": None,
+            "error": {"code": code, "message": "it broke"},
+        }
+
+
+def test_error_lines_always_have_a_message():
+    line = to_openai_line(Result(job_id="j", custom_id=None, finish_reason="expired"))
+    assert line["custom_id"] is None and "expired" in line["error"]["message"]
+
+
+def with_logprobs() -> Result:
+    return Result(
+        job_id="j",
+        custom_id="c",
+        finish_reason="stop",
+        text="Hi!",
+        token_ids=[10, 11],
+        usage=Usage(3, 2, 5),
+        logprobs=[
+            TokenLogprob(10, -0.1, [TopLogprob(10, -0.1), TopLogprob(12, -2.5)]),
+            TokenLogprob(11, -0.7, []),
+        ],
+        timing=Timing(finished_at=5.9),
+    )
+
+
+def test_chat_logprobs_without_a_tokenizer_use_token_ids():
+    choice = to_openai_line(with_logprobs())["response"]["body"]["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert content[0] == {
+        "token": "10",
+        "token_id": 10,
+        "logprob": -0.1,
+        "bytes": None,
+        "top_logprobs": [
+            {"token": "10", "token_id": 10, "logprob": -0.1, "bytes": None},
+            {"token": "12", "token_id": 12, "logprob": -2.5, "bytes": None},
+        ],
+    }
+    assert content[1]["top_logprobs"] == [] and content[1]["logprob"] == -0.7
+
+
+def test_chat_logprobs_with_token_text():
+    vocab = {10: "Hi", 11: "!", 12: "é"}
+    line = to_openai_line(with_logprobs(), token_text=vocab.__getitem__)
+    content = line["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["Hi", "!"]
+    assert content[0]["bytes"] == [72, 105]
+    assert content[0]["top_logprobs"][1] == {
+        "token": "é",
+        "token_id": 12,
+        "logprob": -2.5,
+        "bytes": [0xC3, 0xA9],
+    }
+
+
+def test_completion_logprobs_legacy_shape():
+    vocab = {10: "Hi", 11: "!", 12: "yo"}
+    choice = to_openai_line(with_logprobs(), "/v1/completions", token_text=vocab.__getitem__)[
+        "response"
+    ]["body"]["choices"][0]
+    assert choice["logprobs"] == {
+        "tokens": ["Hi", "!"],
+        "token_ids": [10, 11],
+        "token_logprobs": [-0.1, -0.7],
+        "top_logprobs": [{"Hi": -0.1, "yo": -2.5}, {}],
+        "text_offset": [0, 2],
+    }
+    plain = to_openai_line(with_logprobs(), "/v1/completions")["response"]["body"]
+    assert plain["choices"][0]["logprobs"]["tokens"] == ["10", "11"]
+    assert plain["choices"][0]["logprobs"]["text_offset"] is None
+
+
+def test_created_falls_back_to_other_timestamps():
+    r = Result(job_id="j", custom_id="c", finish_reason="stop", timing=Timing(enqueued_at=77.7))
+    assert to_openai_line(r)["response"]["body"]["created"] == 77
+    r = Result(job_id="j", custom_id="c", finish_reason="stop")
+    assert to_openai_line(r)["response"]["body"]["created"] > 1_700_000_000
+
+
+def test_unknown_endpoint():
+    r = Result(job_id="j", custom_id="c", finish_reason="stop")
+    with pytest.raises(ValueError, match="/v1/embeddings"):
+        to_openai_line(r, "/v1/embeddings")
