@@ -130,7 +130,7 @@ def _runner(engine: StubEngine, batch: int) -> Any:
     from mlxq.runner import Runner
     from mlxq.scheduler import Scheduler
 
-    def make_scheduler(_: Any) -> Scheduler:
+    def make_scheduler(_engine: Any, _facts: Any) -> Scheduler:
         return Scheduler(
             max_batch=batch,
             kv_bytes_per_token=1,
