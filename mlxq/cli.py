@@ -18,6 +18,7 @@ import redis
 
 from mlxq import keys
 from mlxq import queue as q
+from mlxq.api import api_command
 from mlxq.cli_fleet import print_queue_overview, workers
 from mlxq.cli_support import connect, fail, redis_option
 from mlxq.formats import is_error, to_openai_line
@@ -613,6 +614,7 @@ def make_model_cmd(dest: Path, preset: str, seed: int) -> None:
 
 
 cli.add_command(workers)
+cli.add_command(api_command, name="api")
 
 
 def main() -> None:

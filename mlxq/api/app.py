@@ -1,0 +1,285 @@
+"""The HTTP app: OpenAI's Files and Batches endpoints (and ``/v1/models``) over Redis.
+
+Framework: Starlette, served by uvicorn. It is a small, well-kept ASGI toolkit (routing,
+multipart uploads, lifespan, a test client) with few dependencies and no data-model layer
+of its own: request bodies are validated with msgspec like the rest of mlxq, so pydantic
+(which FastAPI would bring) has nothing to do here. Every handler is async and runs its
+Redis work in Starlette's thread pool, since mlxq's queue code uses the sync Redis client.
+
+Routes: ``POST /v1/files``, ``GET /v1/files/{id}``, ``GET /v1/files/{id}/content``,
+``DELETE /v1/files/{id}``, ``POST /v1/batches``, ``GET /v1/batches``,
+``GET /v1/batches/{id}``, ``POST /v1/batches/{id}/cancel``, ``GET /v1/models``. All of
+them need a bearer API key unless the app is made without keys (loopback only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import redis
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from mlxq import queue as q
+from mlxq.api import batches, store
+from mlxq.api.auth import AuthMiddleware, KeyChecker
+from mlxq.api.errors import ApiError, bad_request
+from mlxq.api.models import list_models
+from mlxq.api.objects import FINAL_STATUSES, BatchState, encoder
+from mlxq.api.uploads import DEFAULT_MAX_LINES, DEFAULT_MAX_UPLOAD_BYTES, read_upload
+
+log = logging.getLogger("mlxq.api")
+
+DEFAULT_SWEEP_INTERVAL = 30.0
+
+
+@dataclass
+class ApiSettings:
+    """How the app is configured; ``api_keys=None`` turns authentication off."""
+
+    redis_url: str
+    api_keys: list[str] | None
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
+    max_lines: int = DEFAULT_MAX_LINES
+    # Seconds between background refreshes of active batches (0: only on reads).
+    sweep_interval: float = DEFAULT_SWEEP_INTERVAL
+
+
+class CreateBatchBody(msgspec.Struct):
+    """The body of ``POST /v1/batches`` (other fields OpenAI takes are ignored)."""
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = None
+
+
+_create_decoder = msgspec.json.Decoder(CreateBatchBody)
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(encoder.encode(obj), status_code=status, media_type="application/json")
+
+
+def _conn(request: Request) -> redis.Redis:
+    return request.app.state.conn
+
+
+def _settings(request: Request) -> ApiSettings:
+    return request.app.state.settings
+
+
+# -- files --------------------------------------------------------------------------------
+
+
+async def upload_file(request: Request) -> Response:
+    s = _settings(request)
+    up = await read_upload(request, max_bytes=s.max_upload_bytes, max_lines=s.max_lines)
+    record = await run_in_threadpool(
+        store.put_file, _conn(request), up.content, filename=up.filename, purpose=up.purpose
+    )
+    return _json(record)
+
+
+async def get_file(request: Request) -> Response:
+    return _json(await run_in_threadpool(store.get_file, _conn(request), _id(request)))
+
+
+async def get_file_content(request: Request) -> Response:
+    content = await run_in_threadpool(store.get_file_content, _conn(request), _id(request))
+    return Response(content, media_type="application/octet-stream")
+
+
+async def delete_file(request: Request) -> Response:
+    file_id = _id(request)
+    await run_in_threadpool(store.delete_file, _conn(request), file_id)
+    return _json({"id": file_id, "object": "file", "deleted": True})
+
+
+def _id(request: Request) -> str:
+    return request.path_params["id"]
+
+
+# -- batches ------------------------------------------------------------------------------
+
+
+async def create_batch(request: Request) -> Response:
+    try:
+        body = _create_decoder.decode(await request.body())
+    except msgspec.DecodeError as e:
+        raise bad_request(f"Invalid request body: {e}") from None
+    state = await run_in_threadpool(
+        batches.create_batch,
+        _conn(request),
+        input_file_id=body.input_file_id,
+        endpoint=body.endpoint,
+        completion_window=body.completion_window,
+        metadata=body.metadata,
+        max_lines=_settings(request).max_lines,
+    )
+    return _json(state.batch)
+
+
+async def get_batch(request: Request) -> Response:
+    state = await run_in_threadpool(batches.refresh, _conn(request), _id(request))
+    return _json(state.batch)
+
+
+async def cancel_batch(request: Request) -> Response:
+    conn, batch_id = _conn(request), _id(request)
+    state = await run_in_threadpool(batches.cancel_batch, conn, batch_id)
+    response = _json(state.batch)
+    # Cancelling 50,000 queued jobs takes a while: answer first, then cancel them.
+    response.background = BackgroundTask(_refresh_quietly, conn, batch_id)
+    return response
+
+
+def _refresh_quietly(conn: redis.Redis, batch_id: str) -> None:
+    """Refresh after answering; a failure is logged, and the next GET or sweep retries."""
+    try:
+        batches.refresh(conn, batch_id, force=True)
+    except Exception:
+        log.exception("refreshing batch %s after cancel failed", batch_id)
+
+
+async def list_batches(request: Request) -> Response:
+    after = request.query_params.get("after") or None
+    limit = _limit(request.query_params.get("limit"))
+    states, has_more = await run_in_threadpool(_listed, _conn(request), after, limit)
+    data = [s.batch for s in states]
+    return _json(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0].id if data else None,
+            "last_id": data[-1].id if data else None,
+            "has_more": has_more,
+        }
+    )
+
+
+def _listed(conn: redis.Redis, after: str | None, limit: int) -> tuple[list[BatchState], bool]:
+    states, has_more = store.list_batches(conn, after=after, limit=limit)
+    fresh = [
+        s if s.batch.status in FINAL_STATUSES else batches.refresh(conn, s.batch.id) for s in states
+    ]
+    return fresh, has_more
+
+
+def _limit(raw: str | None) -> int:
+    if raw is None:
+        return 20
+    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+        raise bad_request(f"Invalid limit {raw!r}: give an integer from 1 to 100", param="limit")
+    return int(raw)
+
+
+# -- models -------------------------------------------------------------------------------
+
+
+async def get_models(request: Request) -> Response:
+    models = await run_in_threadpool(list_models, _conn(request))
+    return _json({"object": "list", "data": models})
+
+
+# -- app ----------------------------------------------------------------------------------
+
+ROUTES = [
+    Route("/v1/files", upload_file, methods=["POST"]),
+    Route("/v1/files/{id}", get_file, methods=["GET"]),
+    Route("/v1/files/{id}", delete_file, methods=["DELETE"]),
+    Route("/v1/files/{id}/content", get_file_content, methods=["GET"]),
+    Route("/v1/batches", create_batch, methods=["POST"]),
+    Route("/v1/batches", list_batches, methods=["GET"]),
+    Route("/v1/batches/{id}", get_batch, methods=["GET"]),
+    Route("/v1/batches/{id}/cancel", cancel_batch, methods=["POST"]),
+    Route("/v1/models", get_models, methods=["GET"]),
+]
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return _error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    message = str(exc.detail)
+    if exc.status_code == 404:
+        message = f"Invalid URL ({request.method} {request.url.path})"
+    return _error_response(ApiError(exc.status_code, message))
+
+
+async def _redis_error(request: Request, exc: Exception) -> Response:
+    log.error("Redis error on %s %s: %s", request.method, request.url.path, exc)
+    return _error_response(ApiError(503, f"The queue's Redis is unavailable: {exc}"))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("error on %s %s", request.method, request.url.path, exc_info=exc)
+    return _error_response(ApiError(500, "The server had an error processing your request."))
+
+
+def _error_response(error: ApiError) -> Response:
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def create_app(settings: ApiSettings, conn: redis.Redis | None = None) -> Starlette:
+    """The ASGI app for ``settings`` (``conn`` overrides the connection to ``redis_url``)."""
+    conn = conn or q.connect(settings.redis_url)
+    middleware = []
+    if settings.api_keys is not None:
+        middleware.append(Middleware(AuthMiddleware, checker=KeyChecker(settings.api_keys)))
+    app = Starlette(
+        routes=ROUTES,
+        middleware=middleware,
+        exception_handlers={
+            ApiError: _api_error,
+            HTTPException: _http_error,
+            redis.RedisError: _redis_error,
+            Exception: _server_error,
+        },
+        lifespan=_lifespan(conn, settings.sweep_interval),
+    )
+    app.state.conn = conn
+    app.state.settings = settings
+    return app
+
+
+def _lifespan(conn: redis.Redis, interval: float) -> Callable:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        task = asyncio.create_task(_sweep_forever(conn, interval)) if interval > 0 else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    return lifespan
+
+
+async def _sweep_forever(conn: redis.Redis, interval: float) -> None:
+    """Refresh active batches every ``interval`` seconds, so batches are finalized and
+    expire even when nobody polls them."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await run_in_threadpool(batches.sweep, conn)
+        except Exception:
+            log.exception("background sweep of active batches failed")

@@ -1,0 +1,412 @@
+"""``mlxq api`` end to end: the official ``openai`` client against real uvicorn servers, a
+real Valkey and a real worker running the tiny model."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+import openai
+import pytest
+import uvicorn
+from click.testing import CliRunner
+from openai import OpenAI
+
+from mlxq import keys
+from mlxq.api import api_command
+from mlxq.api import redis_keys as rk
+from mlxq.api.app import ApiSettings, create_app
+from mlxq.api.openai_output import to_openai_line
+from mlxq.launch import run_worker
+from mlxq.profile import WorkerProfile
+from mlxq.types import Result, TokenLogprob, TopLogprob, Usage, WorkerInfo
+
+KEY, OTHER_KEY = "sk-mlxq-test-1", "sk-mlxq-test-2"
+MODEL = "tiny"  # the queue is the model's last path component: the tiny model's folder
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+MAX_UPLOAD = 16 * 1024
+MAX_LINES = 20
+FINAL = {"completed", "failed", "cancelled", "expired"}
+
+
+# -- servers and clients ------------------------------------------------------------------
+
+
+def _serve(valkey_url: str, sweep_interval: float) -> tuple[uvicorn.Server, threading.Thread, int]:
+    settings = ApiSettings(
+        redis_url=valkey_url,
+        api_keys=[KEY, OTHER_KEY],
+        max_upload_bytes=MAX_UPLOAD,
+        max_lines=MAX_LINES,
+        sweep_interval=sweep_interval,
+    )
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "the API server did not start"
+        time.sleep(0.02)
+    return server, thread, sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ports(valkey_url: str) -> Iterator[tuple[int, int]]:
+    """Two API processes' worth of servers on one Redis: A polls lazily, B also sweeps."""
+    a, ta, port_a = _serve(valkey_url, sweep_interval=0)
+    b, tb, port_b = _serve(valkey_url, sweep_interval=0.2)
+    yield port_a, port_b
+    for server, thread in ((a, ta), (b, tb)):
+        server.should_exit = True
+        thread.join(10)
+
+
+def _client(port: int, key: str = KEY) -> OpenAI:
+    return OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+
+
+@pytest.fixture
+def client(ports, conn) -> OpenAI:
+    return _client(ports[0])
+
+
+@pytest.fixture
+def client_b(ports, conn) -> OpenAI:
+    return _client(ports[1])
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def chat_line(cid: str, text: str, **body: Any) -> dict:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 4,
+        **body,
+    }
+    return {"custom_id": cid, "method": "POST", "url": CHAT, "body": body}
+
+
+def completion_line(cid: str, prompt: Any, **body: Any) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, **body}
+    return {"custom_id": cid, "method": "POST", "url": COMPLETIONS, "body": body}
+
+
+def jsonl(lines: list[Any]) -> bytes:
+    return b"".join(
+        (ln if isinstance(ln, bytes) else json.dumps(ln).encode()) + b"\n" for ln in lines
+    )
+
+
+def upload(client: OpenAI, lines: list[Any]) -> str:
+    return client.files.create(file=("input.jsonl", jsonl(lines)), purpose="batch").id
+
+
+def create(client: OpenAI, file_id: str, endpoint: str = COMPLETIONS, **kw: Any):
+    return client.batches.create(
+        input_file_id=file_id, endpoint=endpoint, completion_window="24h", **kw
+    )
+
+
+def wait_final(client: OpenAI, batch_id: str, timeout: float = 30):
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in FINAL:
+            return batch
+        assert time.monotonic() < deadline, f"batch still {batch.status}"
+        time.sleep(0.1)
+
+
+def read_jsonl(client: OpenAI, file_id: str) -> dict[str, dict]:
+    text = client.files.content(file_id).text
+    return {row["custom_id"]: row for row in map(json.loads, text.splitlines())}
+
+
+def run_tiny_worker(tiny_model: str, conn) -> None:
+    run_worker(WorkerProfile(model=tiny_model, max_batch=4), conn, burst=True, queues=[MODEL])
+
+
+# -- the whole flow -----------------------------------------------------------------------
+
+
+def test_batches_run_to_completed_with_output_and_error_files(client, client_b, conn, tiny_model):
+    chat_file = upload(client, [chat_line("c1", "Hello"), chat_line("c2", "Bye", seed=3)])
+    comp_file = upload(
+        client, [completion_line("t1", "Once upon"), completion_line("bad", [99999999])]
+    )
+    chat = create(client, chat_file, CHAT, metadata={"job": "e2e"})
+    comp = create(client_b, comp_file)
+    assert chat.status == "in_progress" and chat.in_progress_at is not None
+    assert chat.request_counts.total == 2 and chat.metadata == {"job": "e2e"}
+    assert chat.expires_at == chat.created_at + 24 * 3600 and chat.completion_window == "24h"
+    assert chat.model == MODEL and chat.endpoint == CHAT
+
+    run_tiny_worker(tiny_model, conn)
+
+    # Several readers on two servers see the batch done at once: one finalizes.
+    clients = [client, client_b] * 4
+    with ThreadPoolExecutor(8) as pool:
+        seen = list(pool.map(lambda c: c.batches.retrieve(comp.id), clients))
+    comp = wait_final(client, comp.id)
+    assert comp.status == "completed" and comp.completed_at and comp.finalizing_at
+    assert {b.output_file_id for b in seen if b.status == "completed"} <= {comp.output_file_id}
+    assert (comp.request_counts.total, comp.request_counts.completed) == (2, 1)
+    assert comp.request_counts.failed == 1 and comp.usage.output_tokens > 0
+
+    out = read_jsonl(client, comp.output_file_id)
+    assert set(out) == {"t1"}
+    row = out["t1"]
+    assert row["id"].startswith("batch_req_") and row["error"] is None
+    assert row["response"]["status_code"] == 200 and row["response"]["request_id"]
+    body = row["response"]["body"]
+    assert body["object"] == "text_completion" and body["model"] == tiny_model
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")
+    assert isinstance(body["choices"][0]["text"], str)
+    assert 0 < body["usage"]["completion_tokens"] <= 4
+    errors = read_jsonl(client, comp.error_file_id)
+    assert set(errors) == {"bad"} and errors["bad"]["response"] is None
+    assert errors["bad"]["error"]["code"] == "request_failed"
+    assert "vocab" in errors["bad"]["error"]["message"].lower()
+
+    # Nobody has read the chat batch since: server B's background sweep finalizes it.
+    deadline = time.monotonic() + 10
+    while json.loads(conn.get(rk.batch_record(chat.id)))["batch"]["status"] != "completed":
+        assert time.monotonic() < deadline, "the sweep did not finalize the batch"
+        time.sleep(0.05)
+    chat = client.batches.retrieve(chat.id)
+    assert chat.status == "completed" and chat.error_file_id is None
+    assert chat.request_counts.completed == 2
+    rows = read_jsonl(client, chat.output_file_id)
+    message_body = rows["c2"]["response"]["body"]
+    assert message_body["object"] == "chat.completion"
+    assert message_body["choices"][0]["message"]["role"] == "assistant"
+    assert message_body["usage"]["total_tokens"] > message_body["usage"]["completion_tokens"]
+
+
+def test_bad_input_file_fails_validation_with_line_errors(client, conn):
+    lines = [
+        completion_line("ok", "Hi"),
+        b'{"custom_id": "broken", ',
+        chat_line("wrong-endpoint", "Hi"),
+        completion_line("n2", "Hi", n=2),
+        completion_line("other-model", "Hi", model="another"),
+    ]
+    batch = create(client, upload(client, lines))
+    assert batch.status == "failed" and batch.failed_at is not None
+    assert [e.line for e in batch.errors.data] == [2, 3, 4, 5]
+    codes = {e.line: e.code for e in batch.errors.data}
+    assert codes[3] == "mismatched_endpoint" and codes[5] == "mismatched_model"
+    assert "n=1" in batch.errors.data[2].message
+    assert client.batches.retrieve(batch.id).status == "failed"
+    assert conn.llen(f"rq:queue:{MODEL}") == 0
+
+
+def test_create_refuses_bad_parameters(client, conn):
+    file_id = upload(client, [completion_line("a", "Hi")])
+    with pytest.raises(openai.NotFoundError):
+        create(client, "file-nope")
+    with pytest.raises(openai.BadRequestError, match="endpoint"):
+        create(client, file_id, "/v1/embeddings")
+    with pytest.raises(openai.BadRequestError, match="completion_window"):
+        client.batches.create(input_file_id=file_id, endpoint=COMPLETIONS, completion_window="1h")
+
+
+def test_cancel_before_any_worker_runs(client, client_b, conn):
+    batch = create(client, upload(client, [completion_line(f"r{i}", "Hi") for i in range(3)]))
+    assert conn.llen(f"rq:queue:{MODEL}") == 3
+    cancelled = client_b.batches.cancel(batch.id)
+    assert cancelled.status in ("cancelling", "cancelled")
+    batch = wait_final(client, batch.id)
+    assert batch.status == "cancelled" and batch.cancelled_at and batch.cancelling_at
+    assert conn.llen(f"rq:queue:{MODEL}") == 0
+    assert batch.output_file_id is None
+    assert batch.request_counts.total == 3 and batch.request_counts.failed == 3
+    errors = read_jsonl(client, batch.error_file_id)
+    assert {e["error"]["code"] for e in errors.values()} == {"batch_cancelled"}
+    assert client.batches.cancel(batch.id).status == "cancelled"  # idempotent
+
+
+def test_cancel_refuses_finished_batches(client, conn):
+    batch = create(client, upload(client, [b"not json"]))
+    assert batch.status == "failed"
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel"):
+        client.batches.cancel(batch.id)
+
+
+def test_past_its_window_a_batch_expires(client, conn):
+    batch = create(client, upload(client, [completion_line(f"r{i}", "Hi") for i in range(2)]))
+    key = rk.batch_record(batch.id)
+    state = json.loads(conn.get(key))
+    state["batch"]["expires_at"] = int(time.time()) - 1
+    conn.set(key, json.dumps(state), keepttl=True)
+    batch = wait_final(client, batch.id)
+    assert batch.status == "expired" and batch.expired_at is not None
+    assert conn.llen(f"rq:queue:{MODEL}") == 0
+    errors = read_jsonl(client, batch.error_file_id)
+    assert {e["error"]["code"] for e in errors.values()} == {"batch_expired"}
+
+
+def _edit_record(conn, batch_id: str, **changes: Any) -> None:
+    key = rk.batch_record(batch_id)
+    state = json.loads(conn.get(key))
+    for name, value in changes.items():
+        if name in state:
+            state[name] = value
+        else:
+            state["batch"][name] = value
+    conn.set(key, json.dumps(state), keepttl=True)
+
+
+def test_work_left_by_a_dead_process_is_taken_over(client, conn):
+    # Validation cut short (its lock is gone): the batch fails and its jobs are cancelled.
+    stuck = create(client, upload(client, [completion_line("v", "Hi")]))
+    _edit_record(conn, stuck.id, status="validating", submitted=False)
+    stuck = client.batches.retrieve(stuck.id)
+    assert stuck.status == "failed" and stuck.errors.data[0].code == "validation_interrupted"
+    assert conn.llen(f"rq:queue:{MODEL}") == 0
+    # Finalization cut short: the next reader finishes it (here with jobs never run).
+    left = create(
+        client, upload(client, [completion_line("f1", "Hi"), completion_line("f2", "Ho")])
+    )
+    _edit_record(conn, left.id, status="finalizing")
+    left = client.batches.retrieve(left.id)
+    assert left.status == "completed" and left.request_counts.failed == 2
+    errors = read_jsonl(client, left.error_file_id)
+    assert set(errors) == {"f1", "f2"}
+    assert {e["error"]["code"] for e in errors.values()} == {"request_incomplete"}
+
+
+# -- listing, models, files, auth, limits -------------------------------------------------
+
+
+def test_list_batches_paginates_newest_first(client, conn):
+    file_id = upload(client, [completion_line("a", "Hi")])
+    ids = [create(client, file_id).id for _ in range(5)]
+    page = client.batches.list(limit=2)
+    assert [b.id for b in page.data] == ids[::-1][:2] and page.has_more
+    raw = client.batches.with_raw_response.list(limit=2, after=ids[3]).http_response.json()
+    assert [b["id"] for b in raw["data"]] == [ids[2], ids[1]]
+    assert raw["first_id"] == ids[2] and raw["last_id"] == ids[1] and raw["has_more"] is True
+    assert [b.id for b in client.batches.list(limit=2)] == ids[::-1]  # auto-pagination
+    last = client.batches.list(limit=2, after=ids[1])
+    assert [b.id for b in last.data] == [ids[0]] and last.has_more is False
+
+
+def test_models_lists_what_live_workers_serve(client, conn):
+    def info(name: str, model: str) -> bytes:
+        required = WorkerInfo.__struct_fields__[: -len(WorkerInfo.__struct_defaults__) or None]
+        fields: dict[str, Any] = dict.fromkeys(required, 0)
+        fields.update(name=name, host="h", model=model, queues=[MODEL], backend="cpu")
+        fields.update(device="cpu", started_at=time.time(), heartbeat_at=time.time())
+        fields.update(recent_tps=0.0)
+        return msgspec.json.encode(WorkerInfo(**fields))
+
+    conn.set(keys.worker_info("w1"), info("w1", "mlx-community/Foo-4bit"))
+    conn.set(keys.worker_info("w2"), info("w2", "mlx-community/Foo-4bit"))
+    conn.set(keys.worker_info("w3"), info("w3", "tiny"))
+    conn.sadd(keys.workers(), "w1", "w2", "w3", "gone")  # "gone": its info expired
+    models = client.models.list()
+    assert [m.id for m in models] == ["mlx-community/Foo-4bit", "tiny"]
+    assert all(m.owned_by == "mlxq" for m in models)
+
+
+def test_files_round_trip(client, conn):
+    data = jsonl([completion_line("a", "Hi")])
+    created = client.files.create(file=("mine.jsonl", data), purpose="batch")
+    assert created.id.startswith("file-") and created.bytes == len(data)
+    got = client.files.retrieve(created.id)
+    assert (got.filename, got.purpose, got.status) == ("mine.jsonl", "batch", "processed")
+    assert client.files.content(created.id).content == data
+    assert client.files.delete(created.id).deleted is True
+    with pytest.raises(openai.NotFoundError, match="No such File"):
+        client.files.retrieve(created.id)
+
+
+def test_api_keys_are_required(ports, conn):
+    port = ports[0]
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req)
+    assert e.value.code == 401
+    error = json.loads(e.value.read())["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        _client(port, "sk-wrong").models.list()
+    assert _client(port, OTHER_KEY).models.list().data == []
+
+
+def test_upload_limits(client, ports, conn):
+    with pytest.raises(openai.APIStatusError) as e:
+        client.files.create(file=("big.jsonl", b"x" * (MAX_UPLOAD + 1)), purpose="batch")
+    assert e.value.status_code == 413 and e.value.body["code"] == "file_too_large"
+    lines = [completion_line(f"r{i}", "Hi") for i in range(MAX_LINES + 1)]
+    with pytest.raises(openai.BadRequestError, match="at most 20"):
+        upload(client, lines)
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        client.files.create(file=("a.jsonl", b"{}\n"), purpose="fine-tune")
+    assert _chunked_upload(ports[0], b"x" * (MAX_UPLOAD + 70_000)) == 413
+
+
+def _chunked_upload(port: int, payload: bytes) -> int:
+    """POST /v1/files without a Content-Length (chunked), as a streaming client would."""
+    boundary = "mlxqtestboundary"
+    head = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n'
+        "Content-Type: application/octet-stream\r\n\r\n"
+    ).encode()
+    tail = f"\r\n--{boundary}--\r\n".encode()
+    chunks = [head, *(payload[i : i + 8192] for i in range(0, len(payload), 8192)), tail]
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    headers = {
+        "Authorization": f"Bearer {KEY}",
+        "Content-Type": f"multipart/form-data; boundary={boundary}",
+    }
+    try:
+        conn.request("POST", "/v1/files", body=iter(chunks), headers=headers, encode_chunked=True)
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+# -- pieces -------------------------------------------------------------------------------
+
+
+def test_command_refuses_to_serve_without_keys_or_open_without_auth(tmp_path):
+    runner = CliRunner()
+    no_keys = runner.invoke(api_command, [], env={"MLXQ_API_KEYS": ""})
+    assert no_keys.exit_code == 2 and "no API keys" in no_keys.output
+    open_ = runner.invoke(api_command, ["--no-auth", "--host", "0.0.0.0"])
+    assert open_.exit_code == 2 and "loopback" in open_.output
+
+
+def test_to_openai_line_shapes():
+    lp = [TokenLogprob(5, -0.1, [TopLogprob(5, -0.1), TopLogprob(7, -2.0)])]
+    ok = Result("j-1", "a", "stop", text="hi", usage=Usage(3, 1, 4), logprobs=lp, model="m")
+    chat = to_openai_line(ok, CHAT)
+    assert chat["error"] is None and chat["response"]["status_code"] == 200
+    choice = chat["response"]["body"]["choices"][0]
+    assert choice["message"]["content"] == "hi" and choice["finish_reason"] == "stop"
+    assert choice["logprobs"]["content"][0]["top_logprobs"][1]["logprob"] == -2.0
+    text = to_openai_line(ok, COMPLETIONS)["response"]["body"]
+    assert text["choices"][0]["text"] == "hi" and text["usage"]["total_tokens"] == 4
+    assert text["choices"][0]["logprobs"]["top_logprobs"] == [{"5": -0.1, "7": -2.0}]
+    failed = to_openai_line(Result("j-2", "b", "error", error="token id 9 beyond vocab"), CHAT)
+    assert failed["response"] is None
+    assert failed["error"] == {"code": "request_failed", "message": "token id 9 beyond vocab"}
+    gone = to_openai_line(Result("j-3", "c", "cancelled"), CHAT, cancelled_code="batch_expired")
+    assert gone["error"]["code"] == "batch_expired"
