@@ -1,0 +1,357 @@
+"""Batch commands: submit, results, status, cancel, retry (and the helpers ``run`` shares)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import click
+import redis
+
+from mlxq import keys
+from mlxq import queue as q
+from mlxq.cli_fleet import print_queue_overview
+from mlxq.cli_support import connect, fail, redis_option
+from mlxq.formats import is_error, to_openai_line
+from mlxq.types import BatchStatus, Result, json_encoder
+
+
+# -- submit ------------------------------------------------------------------------------
+def read_file(path: str, skip_invalid: bool):  # -> ParsedInput
+    from mlxq.inputs import InputFileError, read_requests
+
+    try:
+        parsed = read_requests(path, skip_invalid=skip_invalid)
+    except InputFileError as e:
+        fail(f"{e}\nnothing was enqueued; fix the lines above or pass --skip-invalid")
+    except OSError as e:
+        fail(f"cannot read {path}: {e.strerror or e}")
+    for err in parsed.errors:
+        click.echo(f"skipped {path}:{err.line}: {err.message}", err=True)
+    return parsed
+
+
+@click.command()
+@click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
+@click.option(
+    "--queue", "queue_name", help="Queue to submit to [default: the model's, or 'default']."
+)
+@click.option("--model", help="Model the batch is for; names the default queue.")
+@click.option("--skip-invalid", is_flag=True, help="Enqueue the valid lines and report the rest.")
+@click.option(
+    "--retries",
+    type=click.IntRange(0, 20),
+    default=0,
+    show_default=True,
+    help="Times to retry a job that fails.",
+)
+@click.option(
+    "--job-timeout",
+    type=click.IntRange(1),
+    default=keys.DEFAULT_JOB_TIMEOUT,
+    show_default=True,
+    help="Seconds one generation may run.",
+)
+@click.option(
+    "--result-ttl",
+    type=click.IntRange(60),
+    default=keys.DEFAULT_RESULT_TTL,
+    show_default=True,
+    help="Seconds results are kept in Redis.",
+)
+@click.option(
+    "--expires-in",
+    type=click.FloatRange(1),
+    help="Seconds after which requests that have not started are not run "
+    "(their results say 'expired').",
+)
+@click.option("--wait", is_flag=True, help="Wait for the batch, with a progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print the batch record as JSON.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    help="With --wait: write the results here (JSONL).",
+)
+@click.option("--timeout", type=float, help="With --wait: give up after this many seconds.")
+@redis_option
+def submit(
+    file: str,
+    queue_name: str | None,
+    model: str | None,
+    skip_invalid: bool,
+    retries: int,
+    job_timeout: int,
+    result_ttl: int,
+    expires_in: float | None,
+    wait: bool,
+    as_json: bool,
+    output: str | None,
+    timeout: float | None,
+    redis_url: str,
+) -> None:
+    """Enqueue every request of a JSONL FILE as one batch; prints the batch id last.
+
+    Lines are mlxq requests ({"prompt"|"messages", "max_tokens", ...}) or OpenAI Batch API
+    lines ({"custom_id", "method", "url", "body"}). Any invalid line refuses the whole file
+    (nothing is enqueued) unless --skip-invalid.
+    """
+    if output and not wait:
+        fail("-o/--output needs --wait (or collect later with `mlxq results BATCH -o FILE`)")
+    parsed = read_file(file, skip_invalid)
+    conn = connect(redis_url)
+    queue_name = queue_name or keys.queue_name_for_model(model)
+    with progress_bar(len(parsed.requests), "enqueueing") as bar:
+        info = q.submit(
+            conn,
+            parsed.requests,
+            queue=queue_name,
+            retries=retries,
+            job_timeout=job_timeout,
+            result_ttl=result_ttl,
+            expires_in=expires_in,
+            source=file,
+            model=model,
+            on_progress=bar.update,
+        )
+    if as_json:
+        click.echo(json_encoder.encode(info).decode())
+    else:
+        click.echo(
+            f"submitted {info.total} requests to queue {info.queue!r} as batch {info.batch_id}"
+        )
+    if wait:
+        _wait_and_write(conn, info.batch_id, output, timeout)
+
+
+# -- results and status ------------------------------------------------------------------
+@contextlib.contextmanager
+def progress_bar(total: int, label: str) -> Iterator[Any]:
+    with click.progressbar(
+        length=total, label=label, file=sys.stderr, show_pos=True, show_eta=True, width=30
+    ) as bar:
+        yield bar
+
+
+def _wait_withbar(conn: redis.Redis, batch_id: str, timeout: float | None) -> BatchStatus:
+    info = q.get_batch(conn, batch_id)
+    start = time.monotonic()
+    with progress_bar(info.total, f"batch {batch_id}") as bar:
+
+        def progress(s: BatchStatus) -> None:
+            if sys.stderr.isatty():  # a changing label reprints the line when piped
+                bar.label = f"batch {batch_id} ({s.started} running, {s.failed} failed)"
+            bar.update(s.done - bar.pos)
+
+        try:
+            status = q.wait_for_batch(conn, batch_id, timeout=timeout, on_progress=progress)
+        except TimeoutError as e:
+            fail(str(e))
+    rate = status.total / max(1e-9, time.monotonic() - start)
+    click.echo(
+        f"batch {batch_id}: {status.finished} finished, {status.failed} failed "
+        f"({rate:.1f} requests/s)",
+        err=True,
+    )
+    return status
+
+
+@dataclass
+class OutputFormat:
+    """How results are written: mlxq's own lines, or OpenAI Batch output + error lines."""
+
+    kind: str = "mlxq"
+    endpoint: str = "/v1/chat/completions"
+    errors: str | None = None  # openai: where error lines go (default: beside the output)
+
+    def line(self, result: Result) -> tuple[bool, str]:
+        """(is_error_line, JSON text) of one result."""
+        if self.kind == "mlxq":
+            return False, json_encoder.encode(result).decode()
+        data = to_openai_line(result, self.endpoint)
+        return is_error(result), json_encoder.encode(data).decode()
+
+
+def _write_results(
+    conn: redis.Redis, batch_id: str, out: TextIO, err: TextIO, fmt: OutputFormat
+) -> tuple[int, int]:
+    written = missing = 0
+    for result in q.iter_batch_results(conn, batch_id):
+        if result is None:
+            missing += 1
+            continue
+        to_errors, text = fmt.line(result)
+        (err if to_errors else out).write(text + "\n")
+        written += 1
+    return written, missing
+
+
+def _wait_and_write(
+    conn: redis.Redis, batch_id: str, output: str | None, timeout: float | None
+) -> None:
+    _wait_withbar(conn, batch_id, timeout)
+    if output:
+        emit_results(conn, batch_id, output)
+
+
+def emit_results(
+    conn: redis.Redis, batch_id: str, output: str, fmt: OutputFormat | None = None
+) -> None:
+    fmt = fmt or OutputFormat()
+    errors = fmt.errors or (_errors_path(output) if fmt.kind == "openai" else output)
+    for path in {output, errors} - {"-"}:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with click.open_file(output, "w") as out, _same_or_open(errors, output, out) as err:
+        written, missing = _write_results(conn, batch_id, out, err, fmt)
+    if output != "-":
+        also = f" (errors in {errors})" if errors != output else ""
+        click.echo(f"wrote {written} results to {output}{also}", err=True)
+    if missing:
+        fail(
+            f"{missing} of {written + missing} requests are not done yet; "
+            f"rerun with --wait to wait for them"
+        )
+
+
+def _errors_path(output: str) -> str:
+    if output == "-":
+        return "-"
+    p = Path(output)
+    return str(p.with_name(p.stem + "_errors" + (p.suffix or ".jsonl")))
+
+
+@contextlib.contextmanager
+def _same_or_open(path: str, output: str, out: TextIO) -> Iterator[TextIO]:
+    if path == output:
+        yield out
+    else:
+        with click.open_file(path, "w") as f:
+            yield f
+
+
+@click.command()
+@click.argument("batch_id")
+@click.option(
+    "-o",
+    "--output",
+    default="-",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    show_default=True,
+    help="Where to write the JSONL results.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["mlxq", "openai"]),
+    default="mlxq",
+    show_default=True,
+    help="mlxq result lines, or OpenAI Batch output lines (failed requests go to an "
+    "errors file, as OpenAI's error_file).",
+)
+@click.option(
+    "--endpoint",
+    type=click.Choice(["/v1/chat/completions", "/v1/completions"]),
+    default="/v1/chat/completions",
+    show_default=True,
+    help="With --format openai: the response body shape.",
+)
+@click.option(
+    "--errors",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    help="With --format openai: where error lines go [default: OUTPUT_errors.jsonl].",
+)
+@click.option("--wait", is_flag=True, help="Wait for the batch to finish, with a progress bar.")
+@click.option("--timeout", type=float, help="With --wait: give up after this many seconds.")
+@redis_option
+def results(
+    batch_id: str,
+    output: str,
+    fmt: str,
+    endpoint: str,
+    errors: str | None,
+    wait: bool,
+    timeout: float | None,
+    redis_url: str,
+) -> None:
+    """Write a batch's results as JSONL, one line per request in input order."""
+    conn = connect(redis_url)
+    try:
+        if wait:
+            _wait_withbar(conn, batch_id, timeout)
+        emit_results(conn, batch_id, output, OutputFormat(fmt, endpoint, errors))
+    except q.BatchNotFound as e:
+        fail(str(e))
+
+
+@click.command()
+@click.argument("batch_id", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
+@redis_option
+def status(batch_id: str | None, as_json: bool, redis_url: str) -> None:
+    """Counts of a batch's jobs: total, queued, started, finished, failed.
+
+    Without BATCH_ID: every queue with its depth and the oldest job's age.
+    """
+    conn = connect(redis_url)
+    if batch_id is None:
+        print_queue_overview(conn, as_json)
+        return
+    try:
+        s = q.batch_status(conn, batch_id)
+    except q.BatchNotFound as e:
+        fail(str(e))
+    if as_json:
+        click.echo(json_encoder.encode(s).decode())
+        return
+    click.echo(
+        f"batch {batch_id}: {s.done}/{s.total} done — {s.queued} queued, {s.started} "
+        f"running, {s.finished} finished, {s.failed} failed, {s.cancelled} cancelled"
+    )
+
+
+def _job_ids(conn: redis.Redis, target: str) -> list[str]:
+    """The job ids of a batch, or the one job id given."""
+    try:
+        return q.batch_job_ids(conn, q.get_batch(conn, target).batch_id)
+    except q.BatchNotFound:
+        if conn.exists(f"rq:job:{target}"):
+            return [target]
+    fail(f"no batch or job {target!r} on this Redis (check the id and --redis-url)")
+    return []
+
+
+@click.command()
+@click.argument("target", metavar="BATCH|JOB")
+@click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
+@redis_option
+def cancel(target: str, as_json: bool, redis_url: str) -> None:
+    """Cancel a batch or one job: queued jobs are removed, running ones stop at the next
+    step (their results say cancelled). Finished jobs are left alone."""
+    conn = connect(redis_url)
+    dequeued, flagged = q.cancel_jobs(conn, _job_ids(conn, target))
+    if as_json:
+        click.echo(json_encoder.encode({"removed": dequeued, "stopping": flagged}).decode())
+    else:
+        click.echo(f"{target}: removed {dequeued} queued jobs, stopping {flagged} running jobs")
+
+
+@click.command()
+@click.argument("target", metavar="BATCH|JOB")
+@click.option("--json", "as_json", is_flag=True, help="Print the count as JSON.")
+@redis_option
+def retry(target: str, as_json: bool, redis_url: str) -> None:
+    """Put the failed jobs of a batch (or one failed job) back on their queue."""
+    conn = connect(redis_url)
+    count = q.retry_failed(conn, _job_ids(conn, target))
+    if as_json:
+        click.echo(json_encoder.encode({"requeued": count}).decode())
+    else:
+        click.echo(f"{target}: re-queued {count} failed jobs")
+
+
+BATCH_COMMANDS = (submit, results, status, cancel, retry)
