@@ -161,10 +161,10 @@ class MlxqWorker(BaseWorker):
 
     # -- taking jobs ---------------------------------------------------------------------
     def _pull(self, block: bool) -> int:
-        """Dequeue up to the scheduler's free slots, in groups; returns how many started.
+        """Dequeue up to the scheduler's free slots in one go; returns how many started.
 
-        Jobs reach the MLX thread a group at a time (one prefill batch), so they are
-        prefilled together rather than one prompt per step as they trickle in.
+        The jobs reach the MLX thread together, so they are prefilled in full batches
+        rather than one prompt per step as they would trickle in one by one.
         """
         scheduler = self.runner.scheduler
         assert scheduler is not None
@@ -173,19 +173,12 @@ class MlxqWorker(BaseWorker):
             return 0
         found = self._dequeue(IDLE_PULL_TIMEOUT_S) if block else None
         group = [found] if found else []
-        started = 0
-        while True:
-            group += dequeue_many(self, min(scheduler.prefetch, want - started) - len(group))
-            if not group:
-                break
+        group += dequeue_many(self, want - len(group))
+        if group:
             self._start_group(group)
-            started += len(group)
-            if started >= want:
-                break
-            group = []
-        if started < want:
+        if len(group) < want:
             self._next_pull_at = time.monotonic() + EMPTY_PULL_BACKOFF_S
-        return started
+        return len(group)
 
     def _dequeue(self, timeout: int) -> tuple[Job, Queue] | None:
         """Wait up to ``timeout`` seconds for one job (RQ's blocking dequeue)."""
