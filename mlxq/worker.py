@@ -169,7 +169,9 @@ class MlxqWorker(BaseWorker):
         scheduler = self.runner.scheduler
         assert scheduler is not None
         want = scheduler.fetch_count(len(self.inflight))
-        if want <= 0 or (not block and time.monotonic() < self._next_pull_at):
+        # The backoff spares Redis while busy; an idle worker always looks (burst exits
+        # on an empty look, so it must be a real one).
+        if want <= 0 or (self.inflight and time.monotonic() < self._next_pull_at):
             return 0
         found = self._dequeue(IDLE_PULL_TIMEOUT_S) if block else None
         group = [found] if found else []
