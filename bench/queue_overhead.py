@@ -138,7 +138,7 @@ def _runner(engine: StubEngine, batch: int) -> Any:
             context_length=1 << 20,
         )
 
-    runner = Runner(lambda: engine, make_scheduler)
+    runner = Runner(lambda _facts: engine, make_scheduler)
     runner.start()
     return runner
 

@@ -8,7 +8,10 @@ Modes (all greedy, all forced to generate ``max_tokens``: EOS ids are switched o
   front and drained with ``next()`` (the ceiling for mlxq's engine);
 - ``mlxq``: end to end through Redis: submit, an ``MlxqWorker`` in burst mode on this
   process's main thread (the engine runs the in-memory model on the Runner's thread),
-  results read back; timed from the start of the submit to the last result read.
+  results read back; timed from the start of the submit to the last result read. On the
+  ``prefix`` workload, ``--prefix-cache on|both`` also (or only) runs it with the engine's
+  prefix cache (row ``mlxq+prefix``); its prompt tok/s is effective: the requests'
+  prompt tokens over the engine's prefill time.
 
 Usage: ``python bench/throughput.py --preset llama-3.2-1b --workload all``
 (see bench/README.md). Writes nothing unless ``--json PATH`` is given.
@@ -24,7 +27,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +55,8 @@ MIXED_PROMPT = (16, 1024)
 MIXED_GEN = (16, 256)
 # prefix: unique suffix lengths after the shared prefix.
 PREFIX_SUFFIX = (8, 32)
+# --prefix-cache: the engine's prefix cache gets this share of the scheduler's KV budget.
+PREFIX_CACHE_SHARE = 0.1
 SEED = 0
 
 
@@ -269,18 +274,20 @@ def run_raw(model: Any, wl: Workload, batch: int, prefill_batch: int, prefill_st
     return result
 
 
-def _counters(engine: Any) -> Any:
-    """A reading of the engine's BatchGenerator counters (private: None if it moved)."""
-    from mlx_lm.generate_utils import BatchCountersSnapshot
+def run_mlxq(
+    model: Any,
+    tokenizer: Any,
+    name: str,
+    wl: Workload,
+    profile: Any,
+    url: str,
+    prefix_cache_bytes: int = 0,
+):
+    """Submit, run a burst worker on the main thread, read every result back.
 
-    counters = getattr(getattr(engine, "_gen", None), "_counters", None)
-    return None if counters is None else BatchCountersSnapshot(**asdict(counters))
-
-
-def run_mlxq(model: Any, tokenizer: Any, name: str, wl: Workload, profile: Any, url: str):
-    """Submit, run a burst worker on the main thread, read every result back."""
-    from mlx_lm.generate_utils import BatchCountersSnapshot
-
+    The prompt tok/s is effective: the requests' prompt tokens over the engine's prefill
+    time (``Engine.stats()``), so prompt tokens taken from the prefix cache count too.
+    """
     from mlxq.engine import Engine
     from mlxq.launch import build_scheduler
     from mlxq.queue import connect, iter_batch_results, submit
@@ -291,7 +298,7 @@ def run_mlxq(model: Any, tokenizer: Any, name: str, wl: Workload, profile: Any, 
 
     readings: dict[str, Any] = {}
 
-    def make_engine() -> Engine:  # as mlxq.launch.make_runner, on the loaded model
+    def make_engine(_facts: object) -> Engine:  # as mlxq.launch.make_runner, loaded model
         engine = Engine.from_loaded(
             model,
             tokenizer,
@@ -299,12 +306,13 @@ def run_mlxq(model: Any, tokenizer: Any, name: str, wl: Workload, profile: Any, 
             max_batch=profile.max_batch or MAX_AUTO_BATCH,
             prefill_batch=profile.prefill_batch,
             prefill_step=profile.prefill_step,
+            prefix_cache_bytes=prefix_cache_bytes,
         )
         engine.warmup()
-        readings["start"] = _counters(engine)
+        readings["start"] = engine.stats()
         return engine
 
-    runner = Runner(make_engine, lambda engine: build_scheduler(engine, profile))
+    runner = Runner(make_engine, lambda engine, facts: build_scheduler(engine, facts, profile))
     runner.start()
     conn = connect(url)
     queue = bench_queue()
@@ -327,14 +335,20 @@ def run_mlxq(model: Any, tokenizer: Any, name: str, wl: Workload, profile: Any, 
     wall = submit_s + work_s + read_s
     done = [r for r in results if r is not None and r.finish_reason in ("length", "stop")]
     gen = sum(r.usage.completion_tokens for r in done)
-    start, end = readings.get("start"), _counters(runner.engine)
-    prompt_tps = None
-    if start is not None and end is not None:
-        prompt_tps = BatchCountersSnapshot.between(start, end).prompt_tps
-    result = ModeResult("mlxq", wall, gen, wl.prompt_tokens, prompt_tps, _peak_gb())
+    start, end = readings["start"], runner.engine.stats()
+    prefill_s = end.prefill_seconds - start.prefill_seconds
+    mode = "mlxq+prefix" if prefix_cache_bytes else "mlxq"
+    result = ModeResult(mode, wall, gen, wl.prompt_tokens, rate(wl.prompt_tokens, prefill_s))
+    result.peak_gb = _peak_gb()
     result.expected_gen_tokens, result.errors = wl.gen_tokens, len(results) - len(done)
     result.extra = {"submit_s": submit_s, "worker_s": work_s, "read_s": read_s}
     result.extra["worker_exit_s"] = exit_s
+    result.extra["prefill_s"] = prefill_s
+    result.extra["prefilled_tokens"] = end.prefilled_tokens - start.prefilled_tokens
+    if prefix_cache_bytes:
+        result.extra["prefix_cache_bytes"] = prefix_cache_bytes
+        for k in ("prefix_hits", "reused_tokens", "stored_tokens", "prefix_evictions"):
+            result.extra[k] = getattr(end, k) - getattr(start, k)
     return result
 
 
@@ -390,13 +404,23 @@ def report(header: str, results: list[ModeResult], wl: Workload) -> str:
                 f"{r.extra['timed_wall_s']:.2f} s); wall s and gen tok/s are extrapolated to "
                 f"all {wl.gen_tokens:,} tokens from its prefill and decode rates"
             )
-        if r.mode == "mlxq":
+        if r.mode.startswith("mlxq"):
             e = r.extra
             notes.append(
-                f"  mlxq: submit {e['submit_s']:.2f} s + worker {e['worker_s']:.2f} s + "
+                f"  {r.mode}: submit {e['submit_s']:.2f} s + worker {e['worker_s']:.2f} s + "
                 f"read results {e['read_s']:.2f} s (then the worker's exit, not counted: "
                 f"{e['worker_exit_s']:.2f} s)"
             )
+    if (off := by_mode.get("mlxq")) and (on := by_mode.get("mlxq+prefix")):
+        e = on.extra
+        notes.append(
+            f"  prefix cache ({e['prefix_cache_bytes'] / 2**20:.0f} MiB): effective prompt "
+            f"tok/s {fmt_num(off.prompt_tps)} -> {fmt_num(on.prompt_tps)} "
+            f"({fmt_ratio(on.prompt_tps, off.prompt_tps)}); prefilled "
+            f"{off.extra['prefilled_tokens']:,} -> {e['prefilled_tokens']:,} tokens, "
+            f"{e['reused_tokens']:,} reused in {e['prefix_hits']} hits, "
+            f"{e['stored_tokens']:,} stored, {e['prefix_evictions']} evictions"
+        )
     lines = [header, table(headers, rows), *notes]
     return "\n".join(lines)
 
@@ -457,6 +481,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="mlxq mode: this Redis instead of an embedded Valkey (a private "
         "queue is used; jobs expire after 10 minutes)",
     )
+    ap.add_argument(
+        "--prefix-cache",
+        default="off",
+        choices=("off", "on", "both"),
+        help="prefix workload, mlxq mode: run with the engine's prefix cache off, on "
+        f"({PREFIX_CACHE_SHARE:.0%} of the KV budget), or both, with the prompt tok/s ratio",
+    )
     ap.add_argument("--json", metavar="PATH", help="also write the figures here")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -482,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     from mlx_lm.generate import BatchGenerator
 
     from mlxq.engine import model_info
+    from mlxq.hardware import device_facts
     from mlxq.launch import build_scheduler
     from mlxq.profile import WorkerProfile
 
@@ -494,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # mlxq's own sizing: the scheduler's batch is what the worker admits.
     profile = WorkerProfile(max_batch=args.batch)
-    scheduler = build_scheduler(_InfoOnly(info), profile)
+    scheduler = build_scheduler(_InfoOnly(info), device_facts(), profile)
     batch, prefill_batch = scheduler.max_batch, profile.prefill_batch
     how = "given" if args.batch else "auto"
     defaults = inspect.signature(BatchGenerator.__init__).parameters
@@ -544,20 +576,27 @@ def main(argv: list[str] | None = None) -> int:
         for wl in workloads:
             results = []
             for mode in args.modes:
-                runs = []
-                for i in range(args.repeat):
-                    _fresh()
-                    print(f"{wl.name}: {mode} ({i + 1}/{args.repeat}) ...", file=sys.stderr)
-                    if mode == "naive":
-                        r = run_naive(model, tokenizer, wl, args.naive_requests)
-                    elif mode == "batch_generate":
-                        r = run_batch_generate(model, tokenizer, wl)
-                    elif mode == "raw":
-                        r = run_raw(model, wl, batch, prefill_batch, profile.prefill_step)
-                    else:
-                        r = run_mlxq(model, tokenizer, name, wl, profile, url)
-                    runs.append(r)
-                results.append(median_run(runs))
+                # The prefix cache's settings: off (0 bytes) and/or on, per --prefix-cache.
+                caches = [0]
+                if mode == "mlxq" and wl.name == "prefix" and args.prefix_cache != "off":
+                    on = max(1, int(scheduler.budget_bytes * PREFIX_CACHE_SHARE))
+                    caches = [on] if args.prefix_cache == "on" else [0, on]
+                for cache_bytes in caches:
+                    label = mode + ("+prefix" if cache_bytes else "")
+                    runs = []
+                    for i in range(args.repeat):
+                        _fresh()
+                        print(f"{wl.name}: {label} ({i + 1}/{args.repeat}) ...", file=sys.stderr)
+                        if mode == "naive":
+                            r = run_naive(model, tokenizer, wl, args.naive_requests)
+                        elif mode == "batch_generate":
+                            r = run_batch_generate(model, tokenizer, wl)
+                        elif mode == "raw":
+                            r = run_raw(model, wl, batch, prefill_batch, profile.prefill_step)
+                        else:
+                            r = run_mlxq(model, tokenizer, name, wl, profile, url, cache_bytes)
+                        runs.append(r)
+                    results.append(median_run(runs))
             header = (
                 f"{model_line(info)} on {device} | workload {wl.label} | mlxq batch {batch} "
                 f"({how}), prefill batch {prefill_batch} | batch_generate: mlx-lm defaults "

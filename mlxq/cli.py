@@ -75,6 +75,12 @@ def _worker_options(f: Callable) -> Callable:
             help="LoRA adapter folder to serve on top of the model.",
         ),
         click.option(
+            "--prefix-cache-fraction",
+            type=click.FloatRange(0, 0.5),
+            help="Share of the KV budget that keeps shared prompt prefixes for reuse; "
+            "0 turns it off [default: 0.1].",
+        ),
+        click.option(
             "--abandon-after",
             type=click.IntRange(3, 3600),
             help="Seconds without a heartbeat before other workers take this worker's jobs "

@@ -5,13 +5,18 @@ back the jobs that finished. Jobs join the running batch between decode steps. E
 has its own sampler, logits processors, ``max_tokens``, stop strings and logprobs; EOS
 tokens end a job (and are not part of its output). A job that cannot run fails alone,
 and an error inside the model fails the jobs in the batch but not the engine.
+
+With ``prefix_cache_bytes``, jobs start from the stored KV cache of a recurring prompt
+prefix and prefill only the rest (:mod:`mlxq.prefix_cache`): ``add`` then queues a job,
+and the next ``step`` plans its reuse, once a burst of jobs has been counted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -21,105 +26,39 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
-from mlxq.sampling import find_stop, make_job_sampler, token_logprobs
+from mlxq.prefix_cache import Plan, make_prefix_cache
+from mlxq.sampling import Completion, EngineJob, RunningJob, make_job_sampler, token_logprobs
 from mlxq.types import FinishReason, ModelInfo, Request, TokenLogprob
 
 # Used when a model's config does not say how long its context is.
 DEFAULT_CONTEXT_LENGTH = 32768
-# Extra characters re-scanned for stop strings: streaming detokenizers may revise the
-# last few characters of their text (held-back spaces, incomplete UTF-8).
-_STOP_RESCAN = 8
 WARMUP_KEY = "__mlxq_warmup__"
 
 
 @dataclass
-class EngineJob:
-    """One request to run, under a unique key (the RQ job id)."""
+class EngineStats:
+    """What an engine has done since it was made (:meth:`Engine.stats`).
 
-    key: str
-    request: Request
+    ``prompt_tokens``: of admitted jobs; ``prefilled_tokens``: run through the model (not
+    a prompt's last token, which the first decode step feeds, nor ``reused_tokens``, taken
+    from the prefix cache). ``prefill_seconds`` includes copies to and from that cache;
+    ``prefix_cache_bytes`` is what it holds now.
+    """
 
-
-@dataclass
-class Completion:
-    """The outcome of one job. Times are ``time.time()`` seconds."""
-
-    key: str
-    finish_reason: FinishReason
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
-    logprobs: list[TokenLogprob] | None = None
-    error: str | None = None
-    admitted_at: float = 0.0
-    first_token_at: float | None = None
-    finished_at: float = 0.0
-    prefill_seconds: float | None = None
-    decode_seconds: float | None = None
+    prefilled_tokens: int = 0
+    prefill_seconds: float = 0.0
+    generated_tokens: int = 0
+    decode_seconds: float = 0.0
+    prefix_hits: int = 0
+    reused_tokens: int = 0
+    stored_tokens: int = 0
+    prefix_cache_bytes: int = 0
+    prefix_evictions: int = 0
 
 
 class JobInputError(ValueError):
     """A request this model cannot run; the message says what is wrong and how to fix it."""
-
-
-@dataclass
-class _Run:
-    """A job in the batch: what it has generated so far.
-
-    Only jobs with stop strings stream their text (``detokenizer``), to watch for them.
-    """
-
-    job: EngineJob
-    prompt: list[int]
-    detokenizer: Any | None
-    admitted_at: float
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    scan_from: int = 0  # stop strings cannot start before this text offset
-
-    def add_token(self, token: int, logprob: TokenLogprob | None) -> bool:
-        """Record one generated token; True when the text now contains a stop string."""
-        self.tokens.append(token)
-        if self.logprobs is not None and logprob is not None:
-            self.logprobs.append(logprob)
-        if self.detokenizer is None:
-            return False
-        self.detokenizer.add_token(token)
-        stops = self.job.request.stop
-        text = self.detokenizer.text
-        if find_stop(text, stops, self.scan_from) is not None:
-            return True
-        longest = max(len(s) for s in stops)
-        self.scan_from = max(0, len(text) - longest - _STOP_RESCAN)
-        return False
-
-    def completion(self, reason: FinishReason, text: str, error: str | None = None) -> Completion:
-        """The finished job, given the decoded ``text`` of its tokens.
-
-        The text is cut before the first stop string; cancelled and failed jobs keep what
-        they generated so far.
-        """
-        if reason in ("stop", "length"):  # the full decode may complete a stop string
-            cut = find_stop(text, self.job.request.stop)
-            if cut is not None:
-                text, reason = text[:cut], "stop"
-        first, last = self.first_token_at, self.last_token_at
-        return Completion(
-            key=self.job.key,
-            finish_reason=reason,
-            text=text,
-            token_ids=self.tokens,
-            prompt_tokens=len(self.prompt),
-            logprobs=self.logprobs,
-            error=error,
-            admitted_at=self.admitted_at,
-            first_token_at=first,
-            finished_at=time.time(),
-            prefill_seconds=None if first is None else first - self.admitted_at,
-            decode_seconds=None if first is None or last is None else last - first,
-        )
 
 
 def model_info(model: nn.Module, name: str, vocab_size: int = 0) -> ModelInfo:
@@ -153,6 +92,17 @@ def model_info(model: nn.Module, name: str, vocab_size: int = 0) -> ModelInfo:
     )
 
 
+def _with_counters(stats: EngineStats, c: Any) -> EngineStats:
+    """``stats`` plus a ``BatchGenerator``'s counters of prefill and decode work."""
+    return dataclasses.replace(
+        stats,
+        prefilled_tokens=stats.prefilled_tokens + c.prompt_tokens,
+        prefill_seconds=stats.prefill_seconds + c.prompt_time,
+        generated_tokens=stats.generated_tokens + c.generation_tokens,
+        decode_seconds=stats.decode_seconds + c.decode_time,
+    )
+
+
 def _error_line(exc: BaseException) -> str:
     """An exception as one readable line, with a hint when memory ran out."""
     line = " ".join(f"{type(exc).__name__}: {exc}".split())
@@ -172,17 +122,23 @@ class Engine:
         prefill_batch: int = 8,
         prefill_step: int = 2048,
         adapter_path: str | None = None,
+        prefix_cache_bytes: int = 0,
     ) -> None:
-        """Load ``model`` (a local folder or hub id) with ``mlx_lm.load``."""
+        """Load ``model`` (a local folder or hub id) with ``mlx_lm.load``.
+
+        ``prefix_cache_bytes`` > 0 keeps the KV cache of recurring prompt prefixes, up to
+        that many bytes, and starts later jobs from it (see :mod:`mlxq.prefix_cache`).
+        """
         loaded, tokenizer = mlx_lm.load(model, adapter_path=adapter_path)
-        batching = {"max_batch": max_batch, "prefill_batch": prefill_batch}
-        self._setup(loaded, tokenizer, model, prefill_step=prefill_step, **batching)
+        sizes = {"max_batch": max_batch, "prefill_batch": prefill_batch}
+        sizes |= {"prefill_step": prefill_step, "prefix_cache_bytes": prefix_cache_bytes}
+        self._setup(loaded, tokenizer, model, **sizes)
 
     @classmethod
-    def from_loaded(cls, model: nn.Module, tokenizer: Any, name: str, **batching: int) -> Engine:
-        """An engine over a loaded model and ``TokenizerWrapper`` (same batching kwargs)."""
+    def from_loaded(cls, model: nn.Module, tokenizer: Any, name: str, **options: int) -> Engine:
+        """An engine over a loaded model and ``TokenizerWrapper`` (same keyword options)."""
         engine = cls.__new__(cls)
-        engine._setup(model, tokenizer, name, **batching)
+        engine._setup(model, tokenizer, name, **options)
         return engine
 
     def _setup(
@@ -194,14 +150,19 @@ class Engine:
         max_batch: int = 32,
         prefill_batch: int = 8,
         prefill_step: int = 2048,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.info = model_info(model, name, vocab_size=len(tokenizer))
         self.max_batch, self.prefill_batch = max_batch, prefill_batch
         self.prefill_step = prefill_step
         self._eos = sorted(tokenizer.eos_token_ids)
-        self._runs: dict[int, _Run] = {}  # by BatchGenerator uid
+        self._runs: dict[int, RunningJob] = {}  # by BatchGenerator uid
         self._uids: dict[str, int] = {}  # job key -> uid
+        # With a prefix cache, jobs wait here until the next step plans their reuse.
+        self._queued: dict[str, RunningJob] = {}
+        self._prefix = make_prefix_cache(model, self.info, prefix_cache_bytes)
+        self._stats = EngineStats()  # admitted prompts; counters of generators replaced
         self._gen = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
@@ -217,7 +178,15 @@ class Engine:
     @property
     def active(self) -> int:
         """Jobs admitted and not finished (decoding, prefilling or waiting for a slot)."""
-        return len(self._runs)
+        return len(self._runs) + len(self._queued)
+
+    def stats(self) -> EngineStats:
+        """Counts of prompt, decode and prefix-cache work so far."""
+        out = _with_counters(self._stats, self._gen._counters)
+        if self._prefix is not None:
+            out = dataclasses.replace(out, **self._prefix.counts())
+            out.prefill_seconds += self._prefix.seconds
+        return out
 
     # -- encoding (pure tokenizer work: safe to call from another thread) --
 
@@ -285,7 +254,7 @@ class Engine:
         ``tokens`` are the prompt's ids from :meth:`encode`, if already computed.
         Raises ``ValueError`` if a job with the same key is already running.
         """
-        if job.key in self._uids:
+        if job.key in self._uids or job.key in self._queued:
             raise ValueError(f"job {job.key} is already in the engine")
         now = time.time()
         try:
@@ -294,39 +263,79 @@ class Engine:
         except JobInputError as exc:
             return Completion(job.key, "error", error=str(exc), admitted_at=now, finished_at=now)
         detokenizer = self.tokenizer.detokenizer if job.request.stop else None
-        run = _Run(job, tokens, detokenizer, now)
+        run = RunningJob(job, tokens, detokenizer, now)
         run.logprobs = None if job.request.logprobs is None else []
-        try:
-            self._insert(run)
-        except Exception as exc:
-            return run.completion("error", "", f"could not start the job: {_error_line(exc)}")
-        return None
+        self._stats.prompt_tokens += len(tokens)
+        if self._prefix is not None:  # planned at the next step, once the burst is counted
+            self._prefix.observe(tokens)
+            self._queued[job.key] = run
+            return None
+        return self._insert(run)
 
-    def _insert(self, run: _Run) -> None:
+    def _insert(self, run: RunningJob, plan: Plan | None = None) -> Completion | None:
+        """Hand the job to the generator; an "error" Completion if it refuses."""
         req = run.job.request
         penalty = req.repetition_penalty
         processors = [] if penalty is None else make_logits_processors(repetition_penalty=penalty)
         sampler = make_job_sampler(req, self.info.vocab_size)
-        (uid,) = self._gen.insert(
-            [run.prompt], [req.max_tokens], samplers=[sampler], logits_processors=[processors]
-        )
+        segments, cache, known = [run.prompt], None, []
+        if plan is not None:  # start from a copy of the cached prefix
+            segments, cache, known = plan.start(run.prompt)
+        try:
+            (uid,) = self._gen.insert_segments(
+                [segments],
+                [req.max_tokens],
+                caches=[cache],
+                all_tokens=[known],
+                samplers=[sampler],
+                logits_processors=[processors],
+            )
+        except Exception as exc:
+            if plan is not None:
+                plan.release()
+            return run.completion("error", "", f"could not start the job: {_error_line(exc)}")
+        run.plan = plan
         self._runs[uid] = run
         self._uids[run.job.key] = uid
+        return None
+
+    def _feed(self) -> list[Completion]:
+        """Plan and insert the queued jobs, except those waiting for a pending prefix."""
+        assert self._prefix is not None  # only a prefix cache queues jobs
+        failed = []
+        for key, run in list(self._queued.items()):
+            if (plan := self._prefix.plan(run.prompt)) is None:
+                continue
+            del self._queued[key]
+            if (c := self._insert(run, plan)) is not None:
+                failed.append(c)
+        return failed
+
+    def _store_prefixes(self, responses: list[Any]) -> None:
+        """Copy prefixes into the prefix cache as their jobs' first segments end."""
+        for r in responses:
+            run = self._runs.get(r.uid)
+            if run is None or run.plan is None or not run.plan.store or not r.end_of_segment:
+                continue
+            for cache, tokens in self._gen.extract_cache([r.uid]).values():
+                run.plan.owner.store(run.plan, cache, tokens, run.prompt)
 
     def step(self) -> list[Completion]:
         """One ``BatchGenerator.next()``: a decode step and/or a prefill chunk.
 
         Returns the jobs that finished in this step.
         """
+        done = self._feed() if self._queued else []
         if not self._runs:
-            return []
+            return done
         try:
-            _, responses = self._gen.next()
+            prompt_responses, responses = self._gen.next()
         except Exception as exc:
-            return self._fail_batch(exc)
+            return done + self._fail_batch(exc)
+        if self._prefix is not None:
+            self._store_prefixes(prompt_responses)
         now = time.time()
         logprobs = self._logprobs(responses)
-        done = []
         for r in responses:
             run = self._runs.get(r.uid)
             if run is None:
@@ -364,6 +373,8 @@ class Engine:
     def _finish(self, uid: int, reason: FinishReason, error: str | None = None) -> Completion:
         run = self._runs.pop(uid)
         del self._uids[run.job.key]
+        if run.plan is not None:
+            run.plan.release()  # a prefix it did not get to store
         # Like mlx_lm.batch_generate: decode the ids (keeps a leading space, unlike the
         # streaming detokenizers).
         return run.completion(reason, self.tokenizer.decode(run.tokens), error)
@@ -376,20 +387,28 @@ class Engine:
             self._finish(uid, "error", error) for uid in list(self._runs) if uid not in waiting
         ]
         old, self._gen = self._gen, self._new_generator()
+        self._stats = _with_counters(self._stats, old._counters)
         with contextlib.suppress(Exception):  # the old generator is broken anyway
             old.close()
         mx.clear_cache()
+        requeued = {}
         for uid in sorted(waiting & self._runs.keys()):
             run = self._runs.pop(uid)
             del self._uids[run.job.key]
-            try:
-                self._insert(run)
-            except Exception as insert_exc:
-                failed.append(run.completion("error", "", _error_line(insert_exc)))
+            if self._prefix is None:
+                if (done := self._insert(run)) is not None:
+                    failed.append(done)
+                continue
+            if run.plan is not None:
+                run.plan.release()
+            requeued[run.job.key] = run  # planned again at the next step, first in line
+        self._queued = requeued | self._queued
         return failed
 
     def cancel(self, key: str) -> Completion | None:
         """Remove a job from the batch at once: a "cancelled" Completion, or None if unknown."""
+        if (run := self._queued.pop(key, None)) is not None:
+            return run.completion("cancelled", "")
         uid = self._uids.get(key)
         if uid is None:
             return None
@@ -398,16 +417,19 @@ class Engine:
 
     def warmup(self) -> None:
         """Run one tiny generation so that the first real jobs skip compile/alloc costs."""
-        if self._runs:
+        if self.active:
             return
         failed = self.add(EngineJob(WARMUP_KEY, Request(prompt="Hello, world", max_tokens=4)))
         if failed is not None:
             raise RuntimeError(f"warmup failed: {failed.error}")
-        while self._runs:
+        while self.active:
             self.step()
 
     def close(self) -> None:
         """Drop all jobs and release the generator."""
         self._runs.clear()
         self._uids.clear()
+        self._queued.clear()
+        if self._prefix is not None:
+            self._prefix.clear()
         self._gen.close()

@@ -1,23 +1,34 @@
-"""Result formats for ``mlxq results --format``: mlxq's own lines, or OpenAI Batch output.
+"""mlxq results as OpenAI Batch API output and error lines.
 
-``to_openai_line`` turns one ``Result`` into a line of an OpenAI Batch API output file
-(``/v1/chat/completions`` or ``/v1/completions`` bodies), or of its error file for jobs
-that produced no completion. Choices made where mlxq and OpenAI differ:
+Used by ``mlxq results --format openai`` and by the HTTP API's output and error files
+(``mlxq.api.finalize``). ``to_openai_line`` turns one ``Result`` into a line of an output
+file::
 
-* ``finish_reason``: ``stop`` and ``length`` map to themselves; ``timeout`` (the job's
-  wall-clock limit cut generation short) maps to ``length``, the reason OpenAI gives for
-  a truncated completion, and the partial text is kept.
-* ``error``, ``cancelled`` and ``expired`` results become error-file lines
-  (``"response": null``) with the codes ``request_failed``, ``batch_cancelled`` and
-  ``batch_expired`` (the last two are the codes OpenAI uses for the same situations).
-* ``id`` is ``batch_req_<job_id>``, ``request_id`` the job id, the body's ``id``
-  ``chatcmpl-<job_id>`` / ``cmpl-<job_id>``, ``created`` the result's finish time (Unix
-  seconds), ``model`` the model the worker served.
+    {"id": "batch_req_...", "custom_id": "...", "error": null,
+     "response": {"status_code": 200, "request_id": "req_...", "body": <completion>}}
+
+with a ``chat.completion`` (``/v1/chat/completions``) or ``text_completion``
+(``/v1/completions``) body, or, for a request that produced no completion, a line of an
+error file: ``{"id", "custom_id", "response": null, "error": {"code", "message"}}``.
+Choices made where mlxq and OpenAI differ:
+
+* ``finish_reason``: ``stop`` and ``length`` map to themselves. ``timeout`` (the job's
+  wall-clock limit cut generation short) maps to ``length``, the reason OpenAI gives for a
+  truncated completion, and the partial text is kept; a timeout before any token is an
+  error with code ``request_timeout``.
+* Error codes: ``error`` → ``request_failed``, ``cancelled`` → ``batch_cancelled`` (or the
+  caller's ``cancelled_code``, e.g. ``batch_expired`` for a batch stopped by its window),
+  ``expired`` → ``batch_expired``. The two batch codes carry OpenAI's own messages; the
+  others the result's ``error``.
+* Ids: the job id without dashes (``<hex>``) gives ``batch_req_<hex>``, the request id
+  ``req_<hex>`` and the body's ``chatcmpl-<hex>`` / ``cmpl-<hex>``. ``created`` is the
+  result's finish time (Unix seconds, else its latest earlier timestamp); ``model`` the
+  model the worker served, else the one the request named.
 * Logprobs: results carry token ids, not token text. Pass ``token_text`` (e.g. a
-  tokenizer's single-token decode) to get real ``token`` strings and their UTF-8
-  ``bytes``; without it ``token`` is the id as a decimal string and ``bytes`` is null.
-  Either way every entry also has a non-standard ``token_id`` field (clients that follow
-  OpenAI's schema ignore unknown fields).
+  tokenizer's single-token decode) to get real ``token`` strings and their UTF-8 ``bytes``;
+  without it ``token`` is the id as a decimal string and ``bytes`` is null. Either way
+  every entry also has a non-standard ``token_id`` field (completions: ``token_ids``),
+  which clients that follow OpenAI's schema ignore.
 """
 
 from __future__ import annotations
@@ -26,103 +37,131 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from mlxq.openai_batch import CHAT_URL, COMPLETIONS_URL
 from mlxq.types import Result, TokenLogprob
 
-CHAT_ENDPOINT = "/v1/chat/completions"
-COMPLETIONS_ENDPOINT = "/v1/completions"
-ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "timeout": "length"}
+# Error file codes, by finish_reason.
 ERROR_CODES = {
     "error": "request_failed",
+    "timeout": "request_timeout",
     "cancelled": "batch_cancelled",
     "expired": "batch_expired",
 }
-_DEFAULT_MESSAGES = {
-    "error": "the request failed",
-    "cancelled": "the request was cancelled before it finished",
-    "expired": "the request expired before it could run",
+# OpenAI's messages for the codes that the batch's state, not the request, explains.
+ERROR_MESSAGES = {
+    "batch_cancelled": "The batch was cancelled before this request completed.",
+    "batch_expired": "This request could not be executed before the completion window expired.",
+}
+_FALLBACK_MESSAGES = {
+    "request_failed": "The request failed.",
+    "request_timeout": "The request reached its time limit before generating any tokens.",
 }
 
 TokenText = Callable[[int], str]
 
 
 def is_error(result: Result) -> bool:
-    """Whether ``result`` goes to the error file (no completion was produced)."""
-    return result.finish_reason in ERROR_CODES
+    """Whether ``result`` goes to the error file (it produced no completion)."""
+    if result.finish_reason == "timeout":
+        return not (result.text or result.token_ids)
+    return result.finish_reason not in FINISH_REASONS
+
+
+def is_success(result: Result) -> bool:
+    """Whether ``result`` goes to the output file: the opposite of ``is_error``."""
+    return not is_error(result)
 
 
 def to_openai_line(
     result: Result,
-    endpoint: str = CHAT_ENDPOINT,
+    endpoint: str = CHAT_URL,
     *,
+    cancelled_code: str = "batch_cancelled",
     token_text: TokenText | None = None,
 ) -> dict[str, Any]:
-    """One OpenAI Batch output (or error) line for ``result``, as a JSON-ready dict."""
-    if endpoint not in ENDPOINTS:
+    """One OpenAI Batch output (or error) line for ``result``, as a JSON-ready dict.
+
+    ``endpoint`` (``/v1/chat/completions`` or ``/v1/completions``; a trailing slash is
+    allowed) picks the body's shape. A ``cancelled`` result is reported with
+    ``cancelled_code``. ``token_text`` names logprob tokens (see the module docstring).
+    """
+    make_body = _BODIES.get(endpoint.rstrip("/"))
+    if make_body is None:
         raise ValueError(f"unsupported endpoint {endpoint!r}; use one of {', '.join(ENDPOINTS)}")
-    line_id = f"batch_req_{result.job_id}"
+    line_id = "batch_req_" + _hex(result.job_id)
     if is_error(result):
-        return {
-            "id": line_id,
-            "custom_id": result.custom_id,
-            "response": None,
-            "error": {
-                "code": ERROR_CODES[result.finish_reason],
-                "message": result.error or _DEFAULT_MESSAGES[result.finish_reason],
-            },
-        }
-    if endpoint == CHAT_ENDPOINT:
-        body = _chat_body(result, token_text)
-    else:
-        body = _completion_body(result, token_text)
+        return error_line(line_id, result.custom_id, *_error(result, cancelled_code))
+    response = {
+        "status_code": 200,
+        "request_id": "req_" + _hex(result.job_id),
+        "body": make_body(result, token_text),
+    }
+    return {"id": line_id, "custom_id": result.custom_id, "response": response, "error": None}
+
+
+def error_line(line_id: str, custom_id: str | None, code: str, message: str) -> dict[str, Any]:
+    """An error file line."""
     return {
         "id": line_id,
-        "custom_id": result.custom_id,
-        "response": {"status_code": 200, "request_id": result.job_id, "body": body},
-        "error": None,
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
     }
 
 
-def _created(result: Result) -> int:
-    t = result.timing
-    stamp = t.finished_at or t.first_token_at or t.started_at or t.enqueued_at
-    return int(stamp if stamp is not None else time.time())
-
-
-def _usage(result: Result) -> dict[str, int]:
-    u = result.usage
-    return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.total_tokens,
-    }
-
-
-def _chat_body(result: Result, token_text: TokenText | None) -> dict[str, Any]:
+def chat_body(result: Result, token_text: TokenText | None = None) -> dict[str, Any]:
+    """A ``chat.completion`` object for a finished result."""
     logprobs = None
     if result.logprobs is not None:
-        logprobs = {"content": [_chat_logprob(lp, token_text) for lp in result.logprobs]}
-        logprobs["refusal"] = None
+        content = [_chat_logprob(lp, token_text) for lp in result.logprobs]
+        logprobs = {"content": content, "refusal": None}
+    message = {"role": "assistant", "content": result.text, "refusal": None}
+    choice = {"message": message, "logprobs": logprobs}
+    return _body(result, "chatcmpl-", "chat.completion", choice)
+
+
+def completion_body(result: Result, token_text: TokenText | None = None) -> dict[str, Any]:
+    """A ``text_completion`` object for a finished result."""
+    logprobs = None
+    if result.logprobs is not None:
+        logprobs = _completion_logprobs(result.logprobs, token_text)
+    choice = {"text": result.text, "logprobs": logprobs}
+    return _body(result, "cmpl-", "text_completion", choice)
+
+
+_BODIES: dict[str, Callable[[Result, TokenText | None], dict[str, Any]]] = {
+    CHAT_URL: chat_body,
+    COMPLETIONS_URL: completion_body,
+}
+
+
+def _error(result: Result, cancelled_code: str) -> tuple[str, str]:
+    """The (code, message) of an error line."""
+    reason = result.finish_reason
+    code = cancelled_code if reason == "cancelled" else ERROR_CODES.get(reason, "request_failed")
+    fallback = _FALLBACK_MESSAGES.get(code, f"The request ended with {reason!r}.")
+    return code, ERROR_MESSAGES.get(code) or result.error or fallback
+
+
+def _body(result: Result, id_prefix: str, kind: str, choice: dict[str, Any]) -> dict[str, Any]:
+    """The fields that chat and text completion objects share around their one choice."""
+    reason = FINISH_REASONS.get(result.finish_reason, result.finish_reason)
     return {
-        "id": f"chatcmpl-{result.job_id}",
-        "object": "chat.completion",
+        "id": id_prefix + _hex(result.job_id),
+        "object": kind,
         "created": _created(result),
-        "model": result.model or "",
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": result.text, "refusal": None},
-                "logprobs": logprobs,
-                "finish_reason": FINISH_REASONS[result.finish_reason],
-            }
-        ],
+        "model": _model(result),
+        "choices": [{"index": 0, **choice, "finish_reason": reason}],
         "usage": _usage(result),
         "system_fingerprint": None,
     }
 
 
 def _token(token_id: int, token_text: TokenText | None) -> tuple[str, list[int] | None]:
+    """A token's text and UTF-8 bytes, or its id as text and None without ``token_text``."""
     if token_text is None:
         return str(token_id), None
     text = token_text(token_id)
@@ -130,6 +169,7 @@ def _token(token_id: int, token_text: TokenText | None) -> tuple[str, list[int] 
 
 
 def _chat_logprob(lp: TokenLogprob, token_text: TokenText | None) -> dict[str, Any]:
+    """One entry of a chat choice's ``logprobs.content``."""
     token, raw = _token(lp.token_id, token_text)
     top = []
     for alt in lp.top:
@@ -168,23 +208,28 @@ def _completion_logprobs(
     }
 
 
-def _completion_body(result: Result, token_text: TokenText | None) -> dict[str, Any]:
-    logprobs = None
-    if result.logprobs is not None:
-        logprobs = _completion_logprobs(result.logprobs, token_text)
+def _usage(result: Result) -> dict[str, int]:
+    u = result.usage
     return {
-        "id": f"cmpl-{result.job_id}",
-        "object": "text_completion",
-        "created": _created(result),
-        "model": result.model or "",
-        "choices": [
-            {
-                "index": 0,
-                "text": result.text,
-                "logprobs": logprobs,
-                "finish_reason": FINISH_REASONS[result.finish_reason],
-            }
-        ],
-        "usage": _usage(result),
-        "system_fingerprint": None,
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
     }
+
+
+def _model(result: Result) -> str:
+    """The model that served the request, else the one the request named, else ``""``."""
+    named = result.metadata.get("model")
+    return result.model or (named if isinstance(named, str) else "")
+
+
+def _created(result: Result) -> int:
+    """The finish time, else the latest earlier timestamp, else now (Unix seconds)."""
+    t = result.timing
+    stamp = t.finished_at or t.first_token_at or t.started_at or t.enqueued_at
+    return int(stamp if stamp is not None else time.time())
+
+
+def _hex(job_id: str) -> str:
+    """A job id as OpenAI-style ids use it: without dashes."""
+    return job_id.replace("-", "")

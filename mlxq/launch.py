@@ -5,15 +5,22 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import mlx_lm
 import redis
 
 from mlxq import keys
-from mlxq.engine import Engine
+from mlxq.engine import Engine, model_info
 from mlxq.hardware import DeviceFacts
 from mlxq.profile import WorkerProfile
 from mlxq.reporting import Reporter
 from mlxq.runner import Runner
-from mlxq.scheduler import MAX_AUTO_BATCH, Scheduler, auto_max_batch, memory_budget
+from mlxq.scheduler import (
+    MAX_AUTO_BATCH,
+    Scheduler,
+    auto_max_batch,
+    memory_budget,
+    split_budget,
+)
 from mlxq.types import Result
 from mlxq.worker import MlxqWorker
 
@@ -34,13 +41,17 @@ def make_runner(profile: WorkerProfile) -> Runner:
         raise ValueError("no model: pass --model (a local folder or a hub id) or a --profile")
     model = profile.model
 
-    def make_engine() -> Engine:
-        engine = Engine(
+    def make_engine(facts: DeviceFacts) -> Engine:
+        loaded, tokenizer = mlx_lm.load(model, adapter_path=profile.adapter_path)
+        _, prefix_bytes = _budgets(facts, model_info(loaded, model).param_bytes, profile)
+        engine = Engine.from_loaded(
+            loaded,
+            tokenizer,
             model,
             max_batch=profile.max_batch or MAX_AUTO_BATCH,
             prefill_batch=profile.prefill_batch,
             prefill_step=profile.prefill_step,
-            adapter_path=profile.adapter_path,
+            prefix_cache_bytes=prefix_bytes,
         )
         engine.warmup()
         return engine
@@ -54,16 +65,17 @@ def make_runner(profile: WorkerProfile) -> Runner:
 def build_scheduler(engine: Engine, facts: DeviceFacts, profile: WorkerProfile) -> Scheduler:
     """Size the batch and KV budget from the device's memory and the model's shape."""
     info = engine.info
-    budget = memory_budget(facts.recommended_bytes, info.param_bytes, profile.memory_fraction)
+    budget, prefix_bytes = _budgets(facts, info.param_bytes, profile)
     max_batch = profile.max_batch or auto_max_batch(budget, info.kv_bytes_per_token)
     log.info(
-        "device: %s %s on %s (%s), %.1f GiB memory, KV budget %.1f GiB",
+        "device: %s %s on %s (%s), %.1f GiB memory, KV budget %.1f GiB + prefix cache %.1f GiB",
         facts.backend,
         facts.name,
         facts.host,
         facts.os,
         facts.memory_bytes / 2**30,
         budget / 2**30,
+        prefix_bytes / 2**30,
     )
     log.info(
         "model: %s (%s, %d layers, hidden %d, %d KV heads x %d, vocab %d, context %d, %s), "
@@ -88,6 +100,12 @@ def build_scheduler(engine: Engine, facts: DeviceFacts, profile: WorkerProfile) 
         context_length=info.context_length,
         prefetch=profile.prefill_batch,
     )
+
+
+def _budgets(facts: DeviceFacts, param_bytes: int, profile: WorkerProfile) -> tuple[int, int]:
+    """(KV bytes for running jobs, bytes for the prefix cache) on this device."""
+    total = memory_budget(facts.recommended_bytes, param_bytes, profile.memory_fraction)
+    return split_budget(total, profile.prefix_cache_fraction)
 
 
 def run_worker(

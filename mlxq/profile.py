@@ -24,6 +24,9 @@ class WorkerProfile(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     prefill_batch: Annotated[int, Meta(ge=1, le=512)] = 8
     prefill_step: Annotated[int, Meta(ge=16, le=65536)] = 2048
     memory_fraction: Annotated[float, Meta(gt=0.0, le=0.95)] = 0.75
+    # Share of the KV budget kept for shared-prefix caches (system prompts, few-shot
+    # preambles); 0 turns prefix reuse off.
+    prefix_cache_fraction: Annotated[float, Meta(ge=0.0, le=0.5)] = 0.1
     # Seconds without a heartbeat after which other workers take this one's jobs back.
     abandon_after: Annotated[int, Meta(ge=3, le=3600)] = 30
     grace_period: Annotated[float, Meta(ge=0.0)] = 60.0

@@ -46,7 +46,7 @@ class Runner:
 
     def __init__(
         self,
-        make_engine: Callable[[], Engine],
+        make_engine: Callable[[DeviceFacts], Engine],
         make_scheduler: Callable[[Engine, DeviceFacts], Scheduler],
     ) -> None:
         self._make_engine = make_engine
@@ -112,8 +112,8 @@ class Runner:
     # -- the MLX thread --------------------------------------------------------------
     def _main(self) -> None:
         try:
-            self.engine = self._make_engine()
             self.facts = device_facts()
+            self.engine = self._make_engine(self.facts)
             self.scheduler = self._make_scheduler(self.engine, self.facts)
         except BaseException as e:  # reported to start()'s caller
             self._error = e

@@ -1,4 +1,8 @@
-"""Per-job sampling pieces of the engine: samplers, stop strings, logprobs.
+"""Per-job pieces of the engine: jobs and their outcomes, samplers, stop strings, logprobs.
+
+A :class:`RunningJob` is the engine's record of a job in the batch: the tokens (and
+logprobs) generated so far and its watch for stop strings; it makes the job's
+:class:`Completion`.
 
 Samplers follow ``mlx_lm.sample_utils.make_sampler`` (the same top-p, min-p and top-k
 filters, then categorical sampling at the temperature; greedy at temperature 0). A
@@ -8,15 +12,109 @@ token, so its samples do not depend on the other jobs in the batch.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler
 
-from mlxq.types import Request, TokenLogprob, TopLogprob
+from mlxq.prefix_cache import Plan
+from mlxq.types import FinishReason, Request, TokenLogprob, TopLogprob
 
 Sampler = Callable[[mx.array], mx.array]
 Filter = Callable[[mx.array], mx.array]
+# Extra characters re-scanned for stop strings: streaming detokenizers may revise the
+# last few characters of their text (held-back spaces, incomplete UTF-8).
+_STOP_RESCAN = 8
+
+
+@dataclass
+class EngineJob:
+    """One request to run, under a unique key (the RQ job id)."""
+
+    key: str
+    request: Request
+
+
+@dataclass
+class Completion:
+    """The outcome of one job. Times are ``time.time()`` seconds."""
+
+    key: str
+    finish_reason: FinishReason
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+    admitted_at: float = 0.0
+    first_token_at: float | None = None
+    finished_at: float = 0.0
+    prefill_seconds: float | None = None
+    decode_seconds: float | None = None
+
+
+@dataclass
+class RunningJob:
+    """A job in the batch: what it has generated so far.
+
+    Only jobs with stop strings stream their text (``detokenizer``), to watch for them.
+    """
+
+    job: EngineJob
+    prompt: list[int]
+    detokenizer: Any | None
+    admitted_at: float
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    scan_from: int = 0  # stop strings cannot start before this text offset
+    plan: Plan | None = None  # its use of the prefix cache
+
+    def add_token(self, token: int, logprob: TokenLogprob | None) -> bool:
+        """Record one generated token; True when the text now contains a stop string."""
+        self.tokens.append(token)
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
+        if self.detokenizer is None:
+            return False
+        self.detokenizer.add_token(token)
+        stops = self.job.request.stop
+        text = self.detokenizer.text
+        if find_stop(text, stops, self.scan_from) is not None:
+            return True
+        longest = max(len(s) for s in stops)
+        self.scan_from = max(0, len(text) - longest - _STOP_RESCAN)
+        return False
+
+    def completion(self, reason: FinishReason, text: str, error: str | None = None) -> Completion:
+        """The finished job, given the decoded ``text`` of its tokens.
+
+        The text is cut before the first stop string; cancelled and failed jobs keep what
+        they generated so far.
+        """
+        if reason in ("stop", "length"):  # the full decode may complete a stop string
+            cut = find_stop(text, self.job.request.stop)
+            if cut is not None:
+                text, reason = text[:cut], "stop"
+        first, last = self.first_token_at, self.last_token_at
+        return Completion(
+            key=self.job.key,
+            finish_reason=reason,
+            text=text,
+            token_ids=self.tokens,
+            prompt_tokens=len(self.prompt),
+            logprobs=self.logprobs,
+            error=error,
+            admitted_at=self.admitted_at,
+            first_token_at=first,
+            finished_at=time.time(),
+            prefill_seconds=None if first is None else first - self.admitted_at,
+            decode_seconds=None if first is None or last is None else last - first,
+        )
 
 
 def _filters(request: Request, vocab_size: int) -> list[Filter]:

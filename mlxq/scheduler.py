@@ -20,6 +20,12 @@ def memory_budget(total_bytes: int, model_bytes: int, fraction: float = 0.75) ->
     return max(0, int(total_bytes * fraction) - model_bytes)
 
 
+def split_budget(budget_bytes: int, prefix_fraction: float) -> tuple[int, int]:
+    """(bytes for running jobs' KV, bytes for the shared-prefix cache) of a KV budget."""
+    prefix = int(budget_bytes * prefix_fraction)
+    return budget_bytes - prefix, prefix
+
+
 def auto_max_batch(budget_bytes: int, kv_bytes_per_token: int, cap: int = MAX_AUTO_BATCH) -> int:
     """The decode batch size that fits jobs of ``PLANNED_JOB_TOKENS`` in the budget."""
     per_job = max(1, kv_bytes_per_token * PLANNED_JOB_TOKENS)

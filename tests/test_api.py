@@ -25,10 +25,9 @@ from mlxq import keys
 from mlxq.api import api_command
 from mlxq.api import redis_keys as rk
 from mlxq.api.app import ApiSettings, create_app
-from mlxq.api.openai_output import to_openai_line
 from mlxq.launch import run_worker
 from mlxq.profile import WorkerProfile
-from mlxq.types import Result, TokenLogprob, TopLogprob, Usage, WorkerInfo
+from mlxq.types import WorkerInfo
 
 KEY, OTHER_KEY = "sk-mlxq-test-1", "sk-mlxq-test-2"
 MODEL = "tiny"  # the queue is the model's last path component: the tiny model's folder
@@ -392,21 +391,3 @@ def test_command_refuses_to_serve_without_keys_or_open_without_auth(tmp_path):
     assert no_keys.exit_code == 2 and "no API keys" in no_keys.output
     open_ = runner.invoke(api_command, ["--no-auth", "--host", "0.0.0.0"])
     assert open_.exit_code == 2 and "loopback" in open_.output
-
-
-def test_to_openai_line_shapes():
-    lp = [TokenLogprob(5, -0.1, [TopLogprob(5, -0.1), TopLogprob(7, -2.0)])]
-    ok = Result("j-1", "a", "stop", text="hi", usage=Usage(3, 1, 4), logprobs=lp, model="m")
-    chat = to_openai_line(ok, CHAT)
-    assert chat["error"] is None and chat["response"]["status_code"] == 200
-    choice = chat["response"]["body"]["choices"][0]
-    assert choice["message"]["content"] == "hi" and choice["finish_reason"] == "stop"
-    assert choice["logprobs"]["content"][0]["top_logprobs"][1]["logprob"] == -2.0
-    text = to_openai_line(ok, COMPLETIONS)["response"]["body"]
-    assert text["choices"][0]["text"] == "hi" and text["usage"]["total_tokens"] == 4
-    assert text["choices"][0]["logprobs"]["top_logprobs"] == [{"5": -0.1, "7": -2.0}]
-    failed = to_openai_line(Result("j-2", "b", "error", error="token id 9 beyond vocab"), CHAT)
-    assert failed["response"] is None
-    assert failed["error"] == {"code": "request_failed", "message": "token id 9 beyond vocab"}
-    gone = to_openai_line(Result("j-3", "c", "cancelled"), CHAT, cancelled_code="batch_expired")
-    assert gone["error"]["code"] == "batch_expired"

@@ -272,15 +272,15 @@ def test_messages_without_chat_template(tiny, tiny_model_dir: Path) -> None:
 
 def test_insert_exception_fails_alone(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     engine.add(EngineJob("ok", Request(prompt=[1, 2, 3], max_tokens=4)))
-    real_insert = engine._gen.insert
+    real_insert = engine._gen.insert_segments
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("cache exploded")
 
-    monkeypatch.setattr(engine._gen, "insert", broken)
+    monkeypatch.setattr(engine._gen, "insert_segments", broken)
     failed = engine.add(EngineJob("bad", Request(prompt=[1, 2, 3], max_tokens=4)))
     assert failed is not None and "cache exploded" in failed.error
-    monkeypatch.setattr(engine._gen, "insert", real_insert)
+    monkeypatch.setattr(engine._gen, "insert_segments", real_insert)
     done = run_all(engine, {})
     assert done["ok"].finish_reason == "length" and engine.active == 0
 
@@ -383,3 +383,35 @@ def test_warmup_leaves_nothing_behind(engine: Engine) -> None:
     done = run_all(engine, {"a": Request(prompt=[1, 2, 3], max_tokens=3)})
     assert len(done["a"].token_ids) == 3
     assert engine.step() == []
+
+
+def test_stats_count_prompt_and_generated_tokens(engine: Engine) -> None:
+    jobs = {"a": Request(prompt=[1, 2, 3, 4], max_tokens=5), "b": REQUESTS[3]}
+    done = run_all(engine, jobs)
+    stats = engine.stats()
+    assert stats.prompt_tokens == 4 + 80
+    assert stats.prefilled_tokens == 3 + 79  # the last prompt token starts the decode
+    assert stats.generated_tokens == sum(len(c.token_ids) for c in done.values())
+    assert stats.prefill_seconds > 0 and stats.decode_seconds > 0
+    assert (stats.prefix_hits, stats.reused_tokens, stats.prefix_cache_bytes) == (0, 0, 0)
+
+
+class SlidingWindowModel(FlakyModel):
+    """A model whose cache is a sliding window: prefixes cannot be cut out of it."""
+
+    def make_cache(self) -> list[Any]:
+        from mlx_lm.models.cache import RotatingKVCache
+
+        return [RotatingKVCache(max_size=4096) for _ in self.inner.layers]
+
+
+def test_prefix_cache_needs_plain_kv_caches(tiny, caplog: pytest.LogCaptureFixture) -> None:
+    model, tokenizer = tiny
+    engine = Engine.from_loaded(
+        SlidingWindowModel(model), tokenizer, "sliding", prefix_cache_bytes=1 << 20
+    )
+    assert "prefix cache off" in caplog.text
+    prompt = list(range(3, 300))
+    done = run_all(engine, {"a": Request(prompt=prompt), "b": Request(prompt=prompt)})
+    assert done["a"].token_ids == done["b"].token_ids
+    assert engine.stats().prefix_hits == 0

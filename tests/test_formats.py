@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mlxq.formats import is_error, to_openai_line
+from mlxq.formats import ERROR_MESSAGES, error_line, is_error, is_success, to_openai_line
 from mlxq.types import Result, Timing, TokenLogprob, TopLogprob, Usage, result_decoder
 
 # The README's example result, as a worker stores it.
@@ -26,7 +26,7 @@ def test_chat_completion_line():
     assert line["id"] == "batch_req_9f1c" and line["custom_id"] == "a1"
     assert line["error"] is None
     response = line["response"]
-    assert response["status_code"] == 200 and response["request_id"] == "9f1c"
+    assert response["status_code"] == 200 and response["request_id"] == "req_9f1c"
     body = response["body"]
     assert body["object"] == "chat.completion" and body["id"] == "chatcmpl-9f1c"
     assert body["created"] == 1764450004
@@ -49,37 +49,69 @@ def test_completions_line():
     assert "message" not in choice and choice["logprobs"] is None
 
 
+def test_ids_drop_the_job_ids_dashes():
+    result = Result(job_id="1a-2b-3c", custom_id="c", finish_reason="stop")
+    chat = to_openai_line(result)
+    assert chat["id"] == "batch_req_1a2b3c" and chat["response"]["request_id"] == "req_1a2b3c"
+    assert chat["response"]["body"]["id"] == "chatcmpl-1a2b3c"
+    assert to_openai_line(result, "/v1/completions")["response"]["body"]["id"] == "cmpl-1a2b3c"
+    failed = to_openai_line(Result(job_id="1a-2b", custom_id="c", finish_reason="error"))
+    assert failed["id"] == "batch_req_1a2b"
+
+
 @pytest.mark.parametrize(
     ("ours", "theirs"), [("stop", "stop"), ("length", "length"), ("timeout", "length")]
 )
 def test_finish_reasons(ours, theirs):
     result = Result(job_id="j", custom_id="c", finish_reason=ours, text="partial")
-    assert not is_error(result)
+    assert not is_error(result) and is_success(result)
     for endpoint in ("/v1/chat/completions", "/v1/completions"):
         choice = to_openai_line(result, endpoint)["response"]["body"]["choices"][0]
         assert choice["finish_reason"] == theirs
 
 
 @pytest.mark.parametrize(
-    ("reason", "code"),
-    [("error", "request_failed"), ("cancelled", "batch_cancelled"), ("expired", "batch_expired")],
+    ("reason", "code", "message"),
+    [
+        ("error", "request_failed", "it broke"),
+        ("timeout", "request_timeout", "it broke"),
+        ("cancelled", "batch_cancelled", ERROR_MESSAGES["batch_cancelled"]),
+        ("expired", "batch_expired", ERROR_MESSAGES["batch_expired"]),
+    ],
 )
-def test_failed_results_take_the_error_file_form(reason, code):
+def test_failed_results_take_the_error_file_form(reason, code, message):
     result = Result(job_id="j9", custom_id="c9", finish_reason=reason, error="it broke")
-    assert is_error(result)
+    assert is_error(result) and not is_success(result)
     for endpoint in ("/v1/chat/completions", "/v1/completions"):
         line = to_openai_line(result, endpoint)
+        assert line == error_line("batch_req_j9", "c9", code, message)
         assert line == {
             "id": "batch_req_j9",
             "custom_id": "c9",
             "response": None,
-            "error": {"code": code, "message": "it broke"},
+            "error": {"code": code, "message": message},
         }
 
 
-def test_error_lines_always_have_a_message():
-    line = to_openai_line(Result(job_id="j", custom_id=None, finish_reason="expired"))
-    assert line["custom_id"] is None and "expired" in line["error"]["message"]
+@pytest.mark.parametrize("reason", ["error", "timeout", "cancelled", "expired"])
+def test_error_lines_always_have_a_message(reason):
+    line = to_openai_line(Result(job_id="j", custom_id=None, finish_reason=reason))
+    assert line["custom_id"] is None and line["error"]["message"]
+
+
+def test_a_timeout_keeps_its_partial_completion():
+    tokens = Result(job_id="j", custom_id="c", finish_reason="timeout", token_ids=[7])
+    assert is_success(tokens)
+    body = to_openai_line(tokens, "/v1/completions")["response"]["body"]
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_cancelled_code_names_why_a_batch_stopped():
+    result = Result(job_id="j", custom_id="c", finish_reason="cancelled", error="cancelled")
+    line = to_openai_line(result, "/v1/chat/completions", cancelled_code="batch_expired")
+    assert line["error"] == {"code": "batch_expired", "message": ERROR_MESSAGES["batch_expired"]}
+    expired = Result(job_id="j", custom_id="c", finish_reason="expired")
+    assert to_openai_line(expired, cancelled_code="x")["error"]["code"] == "batch_expired"
 
 
 def with_logprobs() -> Result:
@@ -143,6 +175,8 @@ def test_completion_logprobs_legacy_shape():
     plain = to_openai_line(with_logprobs(), "/v1/completions")["response"]["body"]
     assert plain["choices"][0]["logprobs"]["tokens"] == ["10", "11"]
     assert plain["choices"][0]["logprobs"]["text_offset"] is None
+    assert plain["choices"][0]["logprobs"]["top_logprobs"] == [{"10": -0.1, "12": -2.5}, {}]
+    assert plain["usage"]["total_tokens"] == 5
 
 
 def test_created_falls_back_to_other_timestamps():
@@ -152,7 +186,16 @@ def test_created_falls_back_to_other_timestamps():
     assert to_openai_line(r)["response"]["body"]["created"] > 1_700_000_000
 
 
-def test_unknown_endpoint():
+def test_model_falls_back_to_the_requested_one():
+    served = Result(job_id="j", custom_id="c", finish_reason="stop", model="m", metadata={})
+    named = Result(job_id="j", custom_id="c", finish_reason="stop", metadata={"model": "asked"})
+    nothing = Result(job_id="j", custom_id="c", finish_reason="stop", metadata={"model": 3})
+    models = [to_openai_line(r)["response"]["body"]["model"] for r in (served, named, nothing)]
+    assert models == ["m", "asked", ""]
+
+
+def test_endpoints():
     r = Result(job_id="j", custom_id="c", finish_reason="stop")
+    assert to_openai_line(r, "/v1/completions/")["response"]["body"]["object"] == "text_completion"
     with pytest.raises(ValueError, match="/v1/embeddings"):
         to_openai_line(r, "/v1/embeddings")

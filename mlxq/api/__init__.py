@@ -4,7 +4,7 @@ Modules: ``app`` (routes, error responses, background sweep), ``auth`` (bearer k
 ``uploads`` (multipart with limits), ``store`` (files and batch records in Redis),
 ``batches`` (lifecycle: validate, submit, progress, cancel, expire), ``cancel``
 (cancelling queued RQ jobs), ``validation`` (input files), ``finalize`` (output and error
-files), ``openai_output`` (Result → OpenAI output line), ``models`` (``/v1/models`` from
+files), ``mlxq.formats`` (Result → OpenAI output line), ``models`` (``/v1/models`` from
 live workers), ``objects`` (wire objects), ``redis_keys`` and ``command`` (the click
 command).
 """

@@ -28,7 +28,7 @@ from mlxq.api.objects import (
     now,
     output_file_id,
 )
-from mlxq.api.openai_output import ERROR_MESSAGES, error_line, is_success, to_openai_line
+from mlxq.formats import ERROR_MESSAGES, error_line, is_success, to_openai_line
 from mlxq.serializer import serializer
 from mlxq.types import JobMeta, Result
 
