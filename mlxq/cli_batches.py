@@ -354,4 +354,29 @@ def retry(target: str, as_json: bool, redis_url: str) -> None:
         click.echo(f"{target}: re-queued {count} failed jobs")
 
 
-BATCH_COMMANDS = (submit, results, status, cancel, retry)
+@click.command()
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="Print each stream entry as JSON.")
+@redis_option
+def tail(job_id: str, as_json: bool, redis_url: str) -> None:
+    """Follow a `stream: true` job's output as it is generated, until it ends."""
+    from mlxq import streams
+
+    conn = connect(redis_url)
+    if not conn.exists(f"rq:job:{job_id}") and not conn.exists(keys.stream(job_id)):
+        fail(f"no job {job_id!r} on this Redis (check the id and --redis-url)")
+    reason = None
+    for entry in streams.follow(conn, job_id):
+        if as_json:
+            click.echo(json_encoder.encode(entry).decode())
+        else:
+            click.echo(entry.text, nl=False)
+        reason = entry.finish_reason or reason
+    if not as_json:
+        click.echo("")
+    if reason is None:
+        fail(f'job {job_id} ended without streaming (submit it with "stream": true)')
+    click.echo(f"[{reason}]", err=True)
+
+
+BATCH_COMMANDS = (submit, results, status, cancel, retry, tail)

@@ -10,7 +10,7 @@ for result in client.wait(batch.batch_id, timeout=600):
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -18,7 +18,7 @@ import redis
 
 from mlxq import keys
 from mlxq import queue as q
-from mlxq.types import BatchInfo, BatchStatus, Request, Result
+from mlxq.types import BatchInfo, BatchStatus, Request, Result, StreamEntry
 
 
 class Client:
@@ -62,6 +62,13 @@ class Client:
             if result is not None or time.monotonic() >= deadline:
                 return result
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+    def stream(self, job_id: str) -> Iterator[StreamEntry]:
+        """A ``stream: true`` job's output as it is generated; the last entry has
+        ``finish_reason``."""
+        from mlxq import streams
+
+        return streams.follow(self.connection, job_id)
 
     def status(self, batch_id: str) -> BatchStatus:
         """Counts of a batch's jobs by state."""

@@ -27,7 +27,14 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
 from mlxq.prefix_cache import Plan, make_prefix_cache
-from mlxq.sampling import Completion, EngineJob, RunningJob, make_job_sampler, token_logprobs
+from mlxq.sampling import (
+    Completion,
+    EngineJob,
+    RunningJob,
+    StreamChunk,
+    make_job_sampler,
+    token_logprobs,
+)
 from mlxq.types import FinishReason, ModelInfo, Request, TokenLogprob
 
 # Used when a model's config does not say how long its context is.
@@ -161,6 +168,7 @@ class Engine:
         self._uids: dict[str, int] = {}  # job key -> uid
         # With a prefix cache, jobs wait here until the next step plans their reuse.
         self._queued: dict[str, RunningJob] = {}
+        self._chunks: list[StreamChunk] = []  # stream jobs' new output, see take_stream
         self._prefix = make_prefix_cache(model, self.info, prefix_cache_bytes)
         self._stats = EngineStats()  # admitted prompts; counters of generators replaced
         self._gen = self._new_generator()
@@ -350,7 +358,20 @@ class Engine:
                 self._gen.remove([r.uid])
             if reason is not None:
                 done.append(self._finish(r.uid, reason))
+            elif run.job.request.stream:
+                self._stream_out(run)
         return done
+
+    def _stream_out(self, run: RunningJob) -> None:
+        chunk = run.stream_chunk(self.tokenizer.decode(run.tokens).rstrip("\ufffd"))
+        if chunk is not None:  # ("\ufffd": a character split across tokens, held back)
+            self._chunks.append(chunk)
+
+    def take_stream(self) -> list[StreamChunk]:
+        """New output of stream jobs since the last call (finished jobs excluded: their
+        Completion has the rest)."""
+        chunks, self._chunks = self._chunks, []
+        return chunks
 
     def _logprobs(self, responses: list[Any]) -> dict[int, TokenLogprob]:
         """Logprobs of the tokens of the jobs that asked for them, by uid."""
@@ -377,7 +398,15 @@ class Engine:
             run.plan.release()  # a prefix it did not get to store
         # Like mlx_lm.batch_generate: decode the ids (keeps a leading space, unlike the
         # streaming detokenizers).
-        return run.completion(reason, self.tokenizer.decode(run.tokens), error)
+        done = run.completion(reason, self.tokenizer.decode(run.tokens), error)
+        if run.job.request.stream:  # the rest of its output, before it is reported done
+            rest_ids, rest_text = (
+                done.token_ids[run.streamed_tokens :],
+                done.text[run.streamed_chars :],
+            )
+            if rest_ids or rest_text:
+                self._chunks.append(StreamChunk(run.job.key, rest_text, rest_ids))
+        return done
 
     def _fail_batch(self, exc: Exception) -> list[Completion]:
         """Fail the jobs the model was working on; keep the waiting ones on a new generator."""

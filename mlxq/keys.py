@@ -57,6 +57,12 @@ def workers() -> str:
     return f"{PREFIX}:workers"
 
 
+def stream(job_id: str) -> str:
+    """Redis stream of a ``stream: true`` job's output: entries with a ``data`` field
+    holding a JSON ``StreamEntry``; the last one has ``finish_reason``."""
+    return f"{PREFIX}:stream:{job_id}"
+
+
 def cancel_flag(job_id: str) -> str:
     """Set by ``mlxq cancel`` for a running job; its worker stops it at the next step."""
     return f"{PREFIX}:cancel:{job_id}"

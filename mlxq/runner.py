@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from mlxq.engine import Completion, Engine, EngineJob
 from mlxq.hardware import DeviceFacts, device_facts
+from mlxq.sampling import StreamChunk
 from mlxq.scheduler import Scheduler
 from mlxq.types import ModelInfo
 
@@ -53,6 +54,7 @@ class Runner:
         self._make_scheduler = make_scheduler
         self._inbox: queue.SimpleQueue[list[Work] | _Cancel | None] = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[Completion] = queue.SimpleQueue()
+        self._stream: queue.SimpleQueue[StreamChunk] = queue.SimpleQueue()
         self._pending: deque[Work] = deque()
         self._ready = threading.Event()
         self._stop = threading.Event()
@@ -97,6 +99,15 @@ class Runner:
             except queue.Empty:
                 return out
 
+    def stream_chunks(self) -> list[StreamChunk]:
+        """New output of ``stream: true`` jobs, oldest first (never waits)."""
+        out: list[StreamChunk] = []
+        while True:
+            try:
+                out.append(self._stream.get_nowait())
+            except queue.Empty:
+                return out
+
     def stop(self, timeout: float = 30.0) -> None:
         """Ask the MLX thread to exit and wait for it."""
         self._stop.set()
@@ -125,7 +136,10 @@ class Runner:
                 self._take_inbox(block=not self._pending and self.engine.active == 0)
                 self._admit()
                 if self.engine.active:
-                    self._emit(self.engine.step())
+                    done = self.engine.step()
+                    for chunk in self.engine.take_stream():
+                        self._stream.put(chunk)
+                    self._emit(done)
                 self._sample_memory()
         except BaseException as e:
             log.exception("MLX thread stopped on an unexpected error")

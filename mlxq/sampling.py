@@ -39,6 +39,15 @@ class EngineJob:
 
 
 @dataclass
+class StreamChunk:
+    """New output of a ``stream: true`` job since its last chunk."""
+
+    key: str
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
 class Completion:
     """The outcome of one job. Times are ``time.time()`` seconds."""
 
@@ -73,6 +82,8 @@ class RunningJob:
     last_token_at: float | None = None
     scan_from: int = 0  # stop strings cannot start before this text offset
     plan: Plan | None = None  # its use of the prefix cache
+    streamed_tokens: int = 0  # stream jobs: how much has been handed out
+    streamed_chars: int = 0
 
     def add_token(self, token: int, logprob: TokenLogprob | None) -> bool:
         """Record one generated token; True when the text now contains a stop string."""
@@ -89,6 +100,16 @@ class RunningJob:
         longest = max(len(s) for s in stops)
         self.scan_from = max(0, len(text) - longest - _STOP_RESCAN)
         return False
+
+    def stream_chunk(self, text: str) -> StreamChunk | None:
+        """Output not yet streamed, given the decoded ``text`` of all tokens so far."""
+        ids = self.tokens[self.streamed_tokens :]
+        new_text = text[self.streamed_chars :]
+        if not ids and not new_text:
+            return None
+        self.streamed_tokens = len(self.tokens)
+        self.streamed_chars = max(self.streamed_chars, len(text))
+        return StreamChunk(self.job.key, new_text, ids)
 
     def completion(self, reason: FinishReason, text: str, error: str | None = None) -> Completion:
         """The finished job, given the decoded ``text`` of its tokens.

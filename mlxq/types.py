@@ -36,7 +36,8 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True):
     ``top_k`` 0 = off, ``min_p`` 0 = off); no repetition penalty; no stop strings; no
     logprobs. ``stop`` strings end generation and are not included in the text.
     ``logprobs`` asks for the top-n alternatives of every generated token (0 = only the
-    chosen token's logprob).
+    chosen token's logprob). ``stream`` appends text to ``keys.stream(job_id)`` as it is
+    generated, so a service can show partial output.
     """
 
     prompt: str | list[TokenId] | None = None
@@ -52,6 +53,7 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True):
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     custom_id: Annotated[str, Meta(min_length=1, max_length=512)] | None = None
     metadata: dict[str, Any] = {}
+    stream: bool = False  # append tokens to a Redis stream as they come (`mlxq tail`)
 
     def __post_init__(self) -> None:
         has_prompt = self.prompt is not None
@@ -62,6 +64,14 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True):
             raise ValueError("`prompt` is empty: give text or at least one token id")
         if has_messages and not self.messages:
             raise ValueError("`messages` is empty: give at least one message")
+
+
+class StreamEntry(Struct, omit_defaults=True):
+    """One entry of a job's token stream: new text and ids, or the end of the job."""
+
+    text: str = ""
+    token_ids: list[int] = []
+    finish_reason: str | None = None  # set on the last entry only
 
 
 class Usage(Struct):

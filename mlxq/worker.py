@@ -20,7 +20,7 @@ from rq.queue import Queue
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
-from mlxq import fleet, keys
+from mlxq import fleet, keys, streams
 from mlxq.engine import Completion, EngineJob, JobInputError
 from mlxq.intake import JobRejected, decode_job, dequeue_many, register
 from mlxq.outcomes import InFlight, build_result, still_held, unrun_result, write_results
@@ -235,6 +235,7 @@ class MlxqWorker(BaseWorker):
     # -- finishing jobs ------------------------------------------------------------------
     def _finish(self, completions: list[Completion]) -> None:
         """Write back finished jobs: results in one transaction, failures through RQ."""
+        streams.publish(self.connection, self.runner.stream_chunks(), completions, self.inflight)
         done: list[tuple[InFlight, Result]] = []
         for c in completions:
             inf = self.inflight.pop(c.key, None)
