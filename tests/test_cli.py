@@ -3,26 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def mlxq(*args: str, url: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MLXQ_REDIS_URL": url}
-    return subprocess.run(
-        [sys.executable, "-m", "mlxq", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+from helpers import run_mlxq
 
 
 @pytest.fixture
@@ -35,22 +19,22 @@ def batch_file(tmp_path: Path) -> Path:
 
 
 def test_json_outputs_and_exit_codes(valkey_url, conn, batch_file, tiny_model):
-    sub = mlxq("submit", str(batch_file), "--queue", "cq", "--json", url=valkey_url)
+    sub = run_mlxq("submit", str(batch_file), "--queue", "cq", "--json", url=valkey_url)
     assert sub.returncode == 0, sub.stderr
     info = json.loads(sub.stdout)
     assert info["total"] == 3 and info["queue"] == "cq"
     batch = info["batch_id"]
 
-    status = json.loads(mlxq("status", batch, "--json", url=valkey_url).stdout)
+    status = json.loads(run_mlxq("status", batch, "--json", url=valkey_url).stdout)
     assert {"total", "queued", "started", "finished", "failed"} <= status.keys()
-    overview = json.loads(mlxq("status", "--json", url=valkey_url).stdout)
+    overview = json.loads(run_mlxq("status", "--json", url=valkey_url).stdout)
     assert any(row["name"] == "cq" and row["queued"] == 3 for row in overview)
 
-    early = mlxq("results", batch, url=valkey_url)
+    early = run_mlxq("results", batch, url=valkey_url)
     assert early.returncode == 1 and "not done yet" in early.stderr
     assert len(early.stderr.strip().splitlines()) == 1
 
-    work = mlxq(
+    work = run_mlxq(
         "worker",
         "--model",
         tiny_model,
@@ -65,20 +49,20 @@ def test_json_outputs_and_exit_codes(valkey_url, conn, batch_file, tiny_model):
     lines = [x for x in work.stderr.splitlines() if x.strip()]
     assert lines and all(json.loads(x)["level"] for x in lines)
 
-    done = mlxq("results", batch, url=valkey_url)
+    done = run_mlxq("results", batch, url=valkey_url)
     assert done.returncode == 0 and len(done.stdout.splitlines()) == 3
-    assert json.loads(mlxq("retry", batch, "--json", url=valkey_url).stdout) == {"requeued": 0}
-    cancel = json.loads(mlxq("cancel", batch, "--json", url=valkey_url).stdout)
+    assert json.loads(run_mlxq("retry", batch, "--json", url=valkey_url).stdout) == {"requeued": 0}
+    cancel = json.loads(run_mlxq("cancel", batch, "--json", url=valkey_url).stdout)
     assert cancel == {"removed": 0, "stopping": 0}
-    assert json.loads(mlxq("workers", "--json", url=valkey_url).stdout) == []
+    assert json.loads(run_mlxq("workers", "--json", url=valkey_url).stdout) == []
 
 
 def test_errors_are_one_line_with_a_fix(valkey_url, conn):
-    missing = mlxq("status", "bnope", url=valkey_url)
+    missing = run_mlxq("status", "bnope", url=valkey_url)
     assert missing.returncode == 1
     assert missing.stderr.startswith("mlxq: error: no batch 'bnope'")
-    down = mlxq("status", "x", url="redis://127.0.0.1:1/0")
+    down = run_mlxq("status", "x", url="redis://127.0.0.1:1/0")
     assert down.returncode == 1 and "mlxq server" in down.stderr
     assert len(down.stderr.strip().splitlines()) == 1
-    nomodel = mlxq("worker", url=valkey_url)
+    nomodel = run_mlxq("worker", url=valkey_url)
     assert nomodel.returncode == 1 and "--model" in nomodel.stderr

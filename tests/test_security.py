@@ -4,15 +4,14 @@ any output. Each test runs its own embedded Valkey configured the hardened way."
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import redis
+from helpers import run_mlxq
 
 from mlxq import queue as q
 from mlxq.launch import run_worker
@@ -37,18 +36,6 @@ def _server(tmp_path: Path, **config: str):
     return server
 
 
-def _run_cli(*args: str, url: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MLXQ_REDIS_URL": url}
-    return subprocess.run(
-        [sys.executable, "-m", "mlxq", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-
-
 def _roundtrip(url: str, model: str, tmp_path: Path) -> str:
     """Submit, work, collect through ``url``; returns every byte any step printed."""
     src = tmp_path / "in.jsonl"
@@ -58,14 +45,14 @@ def _roundtrip(url: str, model: str, tmp_path: Path) -> str:
             for i in range(3)
         )
     )
-    sub = _run_cli("submit", str(src), "--queue", "sec", url=url)
+    sub = run_mlxq("submit", str(src), "--queue", "sec", url=url)
     assert sub.returncode == 0, sub.stderr
     batch = sub.stdout.split()[-1]
-    work = _run_cli("worker", "--model", model, "-q", "sec", "--burst", url=url)
+    work = run_mlxq("worker", "--model", model, "-q", "sec", "--burst", url=url)
     assert work.returncode == 0, work.stderr
     out = tmp_path / "out.jsonl"
-    res = _run_cli("results", batch, "-o", str(out), url=url)
-    stat = _run_cli("status", batch, url=url)
+    res = run_mlxq("results", batch, "-o", str(out), url=url)
+    stat = run_mlxq("status", batch, url=url)
     assert res.returncode == 0 and stat.returncode == 0, res.stderr + stat.stderr
     assert "3/3 done" in stat.stdout
     lines = [json.loads(x) for x in out.read_text().splitlines()]
@@ -79,7 +66,7 @@ def test_password_auth_end_to_end_without_leaking_it(tiny_model, tmp_path):
         url = f"redis://:{SECRET}@127.0.0.1:{server.port}/0"
         printed = _roundtrip(url, tiny_model, tmp_path)
         assert SECRET not in printed
-        wrong = _run_cli("status", url=url.replace(SECRET, "wrong-password"))
+        wrong = run_mlxq("status", url=url.replace(SECRET, "wrong-password"))
         assert wrong.returncode == 1 and "refused the credentials" in wrong.stderr
         assert "wrong-password" not in wrong.stderr
     finally:

@@ -16,8 +16,7 @@ import redis
 from mlxq import keys
 from mlxq import queue as q
 from mlxq.api.auth import ENV_API_KEYS, load_keys
-
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+from mlxq.cli_support import redis_option
 
 
 def is_loopback(host: str) -> bool:
@@ -51,14 +50,7 @@ def resolve_keys(keys_file: str | None, no_auth: bool, host: str) -> list[str] |
 @click.command("api")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
-@click.option(
-    "--redis-url",
-    envvar=keys.ENV_REDIS_URL,
-    show_envvar=True,
-    default=DEFAULT_REDIS_URL,
-    show_default=True,
-    help="Redis/Valkey that the workers use.",
-)
+@redis_option
 @click.option(
     "--keys-file",
     type=click.Path(exists=True, dir_okay=False),
