@@ -512,9 +512,9 @@ def main(argv: list[str] | None = None) -> int:
     from mlx_lm import stream_generate
     from mlx_lm.generate import BatchGenerator
 
-    from mlxq.engine import model_info
     from mlxq.hardware import device_facts
     from mlxq.launch import build_scheduler
+    from mlxq.model_facts import model_info
     from mlxq.profile import WorkerProfile
 
     clock = Stopwatch()

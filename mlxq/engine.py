@@ -16,16 +16,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
-from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
+from mlxq.engine_stats import EngineStats, with_counters
+from mlxq.model_facts import model_info
 from mlxq.prefix_cache import Plan, make_prefix_cache
 from mlxq.sampling import (
     Completion,
@@ -35,79 +35,14 @@ from mlxq.sampling import (
     make_job_sampler,
     token_logprobs,
 )
-from mlxq.types import FinishReason, ModelInfo, Request, TokenLogprob
+from mlxq.types import FinishReason, Request, TokenLogprob
 
 # Used when a model's config does not say how long its context is.
-DEFAULT_CONTEXT_LENGTH = 32768
 WARMUP_KEY = "__mlxq_warmup__"
-
-
-@dataclass
-class EngineStats:
-    """What an engine has done since it was made (:meth:`Engine.stats`).
-
-    ``prompt_tokens``: of admitted jobs; ``prefilled_tokens``: run through the model (not
-    a prompt's last token, which the first decode step feeds, nor ``reused_tokens``, taken
-    from the prefix cache). ``prefill_seconds`` includes copies to and from that cache;
-    ``prefix_cache_bytes`` is what it holds now.
-    """
-
-    prompt_tokens: int = 0
-    prefilled_tokens: int = 0
-    prefill_seconds: float = 0.0
-    generated_tokens: int = 0
-    decode_seconds: float = 0.0
-    prefix_hits: int = 0
-    reused_tokens: int = 0
-    stored_tokens: int = 0
-    prefix_cache_bytes: int = 0
-    prefix_evictions: int = 0
 
 
 class JobInputError(ValueError):
     """A request this model cannot run; the message says what is wrong and how to fix it."""
-
-
-def model_info(model: nn.Module, name: str, vocab_size: int = 0) -> ModelInfo:
-    """Shape facts of a loaded mlx-lm model, read from its ``args``.
-
-    ``vocab_size`` is used when the args do not say (the tokenizer's size).
-    """
-    args = vars(model.args) if hasattr(model, "args") else {}
-    if isinstance(args.get("text_config"), dict):  # multimodal models nest the LM's config
-        args = {**args["text_config"], **args}
-    layers = len(model.layers)
-    hidden = args.get("hidden_size", 0)
-    heads = args.get("num_attention_heads", 0)
-    kv_heads = args.get("num_key_value_heads") or heads
-    head_dim = args.get("head_dim") or (hidden // heads if heads else 0)
-    params = [v for _, v in tree_flatten(model.parameters())]
-    floats = [v.dtype for v in params if mx.issubdtype(v.dtype, mx.floating)]
-    dtype = floats[0] if floats else mx.float16
-    return ModelInfo(
-        name=name,
-        model_type=str(args.get("model_type", type(model).__module__.rsplit(".", 1)[-1])),
-        num_layers=layers,
-        hidden_size=hidden,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        vocab_size=args.get("vocab_size") or vocab_size,
-        context_length=args.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH,
-        kv_bytes_per_token=2 * layers * kv_heads * head_dim * dtype.size,
-        param_bytes=sum(v.nbytes for v in params),
-        dtype=str(dtype).rsplit(".", 1)[-1],
-    )
-
-
-def _with_counters(stats: EngineStats, c: Any) -> EngineStats:
-    """``stats`` plus a ``BatchGenerator``'s counters of prefill and decode work."""
-    return dataclasses.replace(
-        stats,
-        prefilled_tokens=stats.prefilled_tokens + c.prompt_tokens,
-        prefill_seconds=stats.prefill_seconds + c.prompt_time,
-        generated_tokens=stats.generated_tokens + c.generation_tokens,
-        decode_seconds=stats.decode_seconds + c.decode_time,
-    )
 
 
 def _error_line(exc: BaseException) -> str:
@@ -190,7 +125,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """Counts of prompt, decode and prefix-cache work so far."""
-        out = _with_counters(self._stats, self._gen._counters)
+        out = with_counters(self._stats, self._gen._counters)
         if self._prefix is not None:
             out = dataclasses.replace(out, **self._prefix.counts())
             out.prefill_seconds += self._prefix.seconds
@@ -416,7 +351,7 @@ class Engine:
             self._finish(uid, "error", error) for uid in list(self._runs) if uid not in waiting
         ]
         old, self._gen = self._gen, self._new_generator()
-        self._stats = _with_counters(self._stats, old._counters)
+        self._stats = with_counters(self._stats, old._counters)
         with contextlib.suppress(Exception):  # the old generator is broken anyway
             old.close()
         mx.clear_cache()

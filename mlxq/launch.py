@@ -9,8 +9,9 @@ import mlx_lm
 import redis
 
 from mlxq import keys
-from mlxq.engine import Engine, model_info
+from mlxq.engine import Engine
 from mlxq.hardware import DeviceFacts
+from mlxq.model_facts import model_info
 from mlxq.profile import WorkerProfile
 from mlxq.reporting import Reporter
 from mlxq.runner import Runner
