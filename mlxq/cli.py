@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -12,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-import msgspec
 
 from mlxq import keys
 from mlxq import queue as q
@@ -313,11 +313,22 @@ cli.add_command(api_command, name="api")
 
 def main() -> None:
     """Console entry point: speeds up Linux CPU MLX with OpenBLAS for model commands."""
-    if len(sys.argv) > 1 and sys.argv[1] in MODEL_COMMANDS:
+    runs_mlx = len(sys.argv) > 1 and sys.argv[1] in MODEL_COMMANDS
+    if runs_mlx:
         from mlxq.blas import reexec_with_openblas
 
         reexec_with_openblas()
     try:
         cli(standalone_mode=True)
-    except msgspec.ValidationError as e:  # pragma: no cover - defensive
-        fail(str(e))
+    except SystemExit as e:
+        if not runs_mlx:
+            raise
+        # Everything is written and closed by now. Skip interpreter teardown: MLX's C++
+        # threads can abort the process ("terminate called without an active exception")
+        # when static destructors race them, turning a clean exit into SIGABRT.
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
