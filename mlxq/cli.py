@@ -20,7 +20,7 @@ from mlxq.api import api_command
 from mlxq.cli_batches import BATCH_COMMANDS, emit_results, progress_bar, read_file
 from mlxq.cli_fleet import workers
 from mlxq.cli_support import connect, fail, redis_option
-from mlxq.types import Result
+from mlxq.types import Result, json_encoder
 
 MODEL_COMMANDS = {"worker", "run", "make-model"}
 
@@ -168,6 +168,7 @@ def worker(
     help="Where to write the JSONL results.",
 )
 @click.option("--skip-invalid", is_flag=True, help="Run the valid lines and report the rest.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary when done.")
 @click.option(
     "--redis-url",
     envvar=keys.ENV_REDIS_URL,
@@ -181,6 +182,7 @@ def run(
     log_format: str,
     output: str,
     skip_invalid: bool,
+    as_json: bool,
     redis_url: str | None,
     **settings: Any,
 ) -> None:
@@ -232,10 +234,20 @@ def run(
                 log_level=log_level,
             )
         s = q.batch_status(conn, batch_id)
-        click.echo(
-            f"{s.finished} finished, {s.failed} failed in {time.monotonic() - start:.1f}s", err=True
-        )
+        elapsed = time.monotonic() - start
+        click.echo(f"{s.finished} finished, {s.failed} failed in {elapsed:.1f}s", err=True)
         emit_results(conn, batch_id, output)
+    if as_json:  # a summary for scripts, after the results are safely written
+        summary = {
+            "batch_id": batch_id,
+            "total": s.total,
+            "finished": s.finished,
+            "failed": s.failed,
+            "generated_tokens": tokens[0],
+            "seconds": round(elapsed, 3),
+            "output": output,
+        }
+        click.echo(json_encoder.encode(summary).decode())
 
 
 # -- server and make-model ---------------------------------------------------------------
@@ -296,14 +308,20 @@ def server(port: int, host: str, data_dir: Path, no_persist: bool, password: str
     help="Model shape: tiny, llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b.",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
-def make_model_cmd(dest: Path, preset: str, seed: int) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the path and shape as JSON.")
+def make_model_cmd(dest: Path, preset: str, seed: int, as_json: bool) -> None:
     """Write a random-weight model that mlx_lm.load reads (offline tests and benchmarks)."""
     from mlxq.make_model import PRESETS, make_model
 
     if preset not in PRESETS:
         fail(f"unknown preset {preset!r}; choose one of {', '.join(sorted(PRESETS))}")
     path = make_model(dest, preset=preset, seed=seed)
-    click.echo(f"wrote a random-weight {preset} model to {path}")
+    if as_json:
+        click.echo(
+            json_encoder.encode({"path": str(path), "preset": preset, "seed": seed}).decode()
+        )
+    else:
+        click.echo(f"wrote a random-weight {preset} model to {path}")
 
 
 for command in (*BATCH_COMMANDS, workers):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,16 @@ def test_errors_are_one_line_with_a_fix(valkey_url, conn):
     assert len(down.stderr.strip().splitlines()) == 1
     nomodel = run_mlxq("worker", url=valkey_url)
     assert nomodel.returncode == 1 and "--model" in nomodel.stderr
+
+
+def test_run_and_make_model_print_json_summaries(tmp_path, batch_file):
+    made = run_mlxq("make-model", str(tmp_path / "m"), "--json", url=None)
+    assert made.returncode == 0, made.stderr
+    model = json.loads(made.stdout)["path"]
+    env = {k: v for k, v in os.environ.items() if k != "MLXQ_REDIS_URL"}
+    out = tmp_path / "out.jsonl"
+    run = run_mlxq("run", str(batch_file), "--model", model, "-o", str(out), "--json", env=env)
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout)
+    assert summary["total"] == summary["finished"] == 3 and summary["output"] == str(out)
+    assert len(out.read_text().splitlines()) == 3
