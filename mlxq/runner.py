@@ -161,7 +161,9 @@ class Runner:
             if isinstance(item, _Cancel):
                 self._cancel(item.key)
             else:
-                self._pending.extend(item)
+                # Shortest prompts first within a pull: prefill batches pad to their
+                # longest prompt, so neighbours of similar length waste less.
+                self._pending.extend(sorted(item, key=lambda w: len(w.tokens)))
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
