@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlxq.engine import Completion, Engine, EngineJob
 from mlxq.hardware import DeviceFacts, device_facts
 from mlxq.sampling import StreamChunk
-from mlxq.scheduler import Scheduler
+from mlxq.scheduler import Scheduler, admission_order
 from mlxq.types import ModelInfo
 
 log = logging.getLogger("mlxq.runner")
@@ -161,9 +161,8 @@ class Runner:
             if isinstance(item, _Cancel):
                 self._cancel(item.key)
             else:
-                # Shortest prompts first within a pull: prefill batches pad to their
-                # longest prompt, so neighbours of similar length waste less.
-                self._pending.extend(sorted(item, key=lambda w: len(w.tokens)))
+                order = admission_order([len(w.tokens) for w in item])
+                self._pending.extend(item[i] for i in order)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

@@ -20,6 +20,13 @@ def memory_budget(total_bytes: int, model_bytes: int, fraction: float = 0.75) ->
     return max(0, int(total_bytes * fraction) - model_bytes)
 
 
+def admission_order(prompt_lengths: list[int]) -> list[int]:
+    """The order to admit one pull's jobs in (indices): shortest prompt first, ties in
+    arrival order. Prefill batches pad to their longest prompt, so neighbours of similar
+    length waste less compute; across pulls, arrival order still holds."""
+    return sorted(range(len(prompt_lengths)), key=lambda i: (prompt_lengths[i], i))
+
+
 def split_budget(budget_bytes: int, prefix_fraction: float) -> tuple[int, int]:
     """(bytes for running jobs' KV, bytes for the shared-prefix cache) of a KV budget."""
     prefix = int(budget_bytes * prefix_fraction)

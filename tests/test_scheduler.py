@@ -1,6 +1,12 @@
 """Scheduling policy, without MLX: batch caps, memory budget, jobs too big to run."""
 
-from mlxq.scheduler import Scheduler, auto_max_batch, memory_budget
+from mlxq.scheduler import (
+    Scheduler,
+    admission_order,
+    auto_max_batch,
+    memory_budget,
+    split_budget,
+)
 
 
 def make(max_batch=4, budget=1000, kv=1, ctx=4096) -> Scheduler:
@@ -54,3 +60,13 @@ def test_auto_batch_from_memory():
     assert auto_max_batch(budget, 128 * 1024) == 40
     assert auto_max_batch(budget, 1) == 256
     assert auto_max_batch(0, 128 * 1024) == 1
+
+
+def test_admission_order_is_shortest_first_and_stable():
+    assert admission_order([300, 12, 12, 5000, 40]) == [1, 2, 4, 0, 3]
+    assert admission_order([]) == []
+
+
+def test_prefix_cache_share_comes_out_of_the_kv_budget():
+    assert split_budget(1000, 0.1) == (900, 100)
+    assert split_budget(1000, 0.0) == (1000, 0)
