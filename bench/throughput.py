@@ -488,6 +488,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="prefix workload, mlxq mode: run with the engine's prefix cache off, on "
         f"({PREFIX_CACHE_SHARE:.0%} of the KV budget), or both, with the prompt tok/s ratio",
     )
+    ap.add_argument(
+        "--prefill-batch",
+        type=int,
+        help="mlxq's (and raw's) prefill batch size (default: the worker's default)",
+    )
     ap.add_argument("--json", metavar="PATH", help="also write the figures here")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -525,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loaded {name} in {clock.stop():.1f} s", file=sys.stderr)
 
     # mlxq's own sizing: the scheduler's batch is what the worker admits.
-    profile = WorkerProfile(max_batch=args.batch)
+    sizes = {"prefill_batch": args.prefill_batch} if args.prefill_batch else {}
+    profile = WorkerProfile(max_batch=args.batch, **sizes)
     scheduler = build_scheduler(_InfoOnly(info), device_facts(), profile)
     batch, prefill_batch = scheduler.max_batch, profile.prefill_batch
     how = "given" if args.batch else "auto"
