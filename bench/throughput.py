@@ -304,7 +304,7 @@ def run_mlxq(
             tokenizer,
             name,
             max_batch=profile.max_batch or MAX_AUTO_BATCH,
-            prefill_batch=profile.prefill_batch,
+            prefill_batch=profile.prefill_batch or 8,
             prefill_step=profile.prefill_step,
             prefix_cache_bytes=prefix_cache_bytes,
         )
@@ -521,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     from mlxq.launch import build_scheduler
     from mlxq.model_facts import model_info
     from mlxq.profile import WorkerProfile
+    from mlxq.scheduler import auto_prefill_batch
 
     clock = Stopwatch()
     model, tokenizer, name = load(args)
@@ -533,7 +534,14 @@ def main(argv: list[str] | None = None) -> int:
     sizes = {"prefill_batch": args.prefill_batch} if args.prefill_batch else {}
     profile = WorkerProfile(max_batch=args.batch, **sizes)
     scheduler = build_scheduler(_InfoOnly(info), device_facts(), profile)
-    batch, prefill_batch = scheduler.max_batch, profile.prefill_batch
+    batch = scheduler.max_batch
+
+    # mlxq's prefill batch: as given, or what its scheduler picks for a workload's prompts
+    # (the raw BatchGenerator runs with the same, so the two compare like for like).
+    def prefill_for(wl: Workload) -> int:
+        lengths = [len(p) for p in wl.prompts]
+        return profile.prefill_batch or auto_prefill_batch(lengths, batch, profile.prefill_step)
+
     how = "given" if args.batch else "auto"
     defaults = inspect.signature(BatchGenerator.__init__).parameters
     bg_batch = defaults["completion_batch_size"].default
@@ -568,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": device,
         "mlxq_batch": batch,
         "mlxq_batch_source": how,
-        "prefill_batch": prefill_batch,
+        "prefill_batch": profile.prefill_batch or "auto",
         "prefill_step": profile.prefill_step,
         "batch_generate_defaults": {
             "completion_batch_size": bg_batch,
@@ -580,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     server = redis_url(args.redis_url) if "mlxq" in args.modes else contextlib.nullcontext("")
     with server as url:
         for wl in workloads:
+            prefill_batch = prefill_for(wl)
             results = []
             for mode in args.modes:
                 # The prefix cache's settings: off (0 bytes) and/or on, per --prefix-cache.

@@ -108,6 +108,11 @@ class Engine:
         self._stats = EngineStats()  # admitted prompts; counters of generators replaced
         self._gen = self._new_generator()
 
+    def set_prefill_batch(self, n: int) -> None:
+        """Prefill up to ``n`` prompts together from the next step on."""
+        self.prefill_batch = max(1, min(n, self.max_batch))
+        self._gen.prefill_batch_size = self.prefill_batch
+
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
             self.model,

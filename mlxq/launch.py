@@ -50,7 +50,7 @@ def make_runner(profile: WorkerProfile) -> Runner:
             tokenizer,
             model,
             max_batch=profile.max_batch or MAX_AUTO_BATCH,
-            prefill_batch=profile.prefill_batch,
+            prefill_batch=profile.prefill_batch or 8,
             prefill_step=profile.prefill_step,
             prefix_cache_bytes=prefix_bytes,
         )
@@ -99,7 +99,9 @@ def build_scheduler(engine: Engine, facts: DeviceFacts, profile: WorkerProfile) 
         kv_bytes_per_token=info.kv_bytes_per_token,
         budget_bytes=budget,
         context_length=info.context_length,
-        prefetch=profile.prefill_batch,
+        prefetch=profile.prefill_batch or 8,
+        auto_prefill=profile.prefill_batch is None,
+        prefill_step=profile.prefill_step,
     )
 
 

@@ -21,7 +21,8 @@ class WorkerProfile(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     queues: list[str] = []
     adapter_path: str | None = None
     max_batch: Annotated[int, Meta(ge=1, le=4096)] | None = None
-    prefill_batch: Annotated[int, Meta(ge=1, le=512)] = 8
+    # Prompts prefilled together; None sizes it from the waiting prompts' lengths.
+    prefill_batch: Annotated[int, Meta(ge=1, le=4096)] | None = None
     prefill_step: Annotated[int, Meta(ge=16, le=65536)] = 2048
     memory_fraction: Annotated[float, Meta(gt=0.0, le=0.95)] = 0.75
     # Share of the KV budget kept for shared-prefix caches (system prompts, few-shot

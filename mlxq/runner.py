@@ -182,6 +182,10 @@ class Runner:
     def _admit(self) -> None:
         """Move pending jobs into the batch while the scheduler has room (in order)."""
         assert self.engine is not None and self.scheduler is not None
+        if self._pending:
+            size = self.scheduler.prefill_batch([len(w.tokens) for w in self._pending])
+            if size is not None and size != self.engine.prefill_batch:
+                self.engine.set_prefill_batch(size)
         while self._pending:
             work = self._pending[0]
             max_tokens = work.job.request.max_tokens

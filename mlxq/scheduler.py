@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 MAX_AUTO_BATCH = 256
 # The job length the automatic batch size is planned for (prompt + output tokens).
 PLANNED_JOB_TOKENS = 2048
+# Prompt tokens one prefill call may process when the prefill batch is automatic: wide
+# enough to keep a GPU busy (an H200 ran a 1B model 2.5x faster at 128 x 128 prompt tokens
+# per call than at mlx-lm's default of 8 prompts), small enough for modest activations.
+PREFILL_TOKENS = 16384
 
 
 def memory_budget(total_bytes: int, model_bytes: int, fraction: float = 0.75) -> int:
@@ -25,6 +29,22 @@ def admission_order(prompt_lengths: list[int]) -> list[int]:
     arrival order. Prefill batches pad to their longest prompt, so neighbours of similar
     length waste less compute; across pulls, arrival order still holds."""
     return sorted(range(len(prompt_lengths)), key=lambda i: (prompt_lengths[i], i))
+
+
+def auto_prefill_batch(
+    prompt_lengths: list[int], cap: int, prefill_step: int, tokens: int = PREFILL_TOKENS
+) -> int:
+    """Prompts to prefill together so one call processes about ``tokens`` prompt tokens.
+
+    Sized on the 90th-percentile waiting prompt, so a long tail cannot make one call
+    (padded to its longest prompt) huge; a chunk is at most ``prefill_step`` tokens long.
+    At least 1 and at most ``cap`` (the batch size).
+    """
+    if not prompt_lengths:
+        return max(1, min(cap, 8))
+    ranked = sorted(prompt_lengths)
+    typical = min(ranked[min(len(ranked) - 1, len(ranked) * 9 // 10)], prefill_step)
+    return max(1, min(cap, tokens // max(1, typical)))
 
 
 def split_budget(budget_bytes: int, prefix_fraction: float) -> tuple[int, int]:
@@ -48,6 +68,8 @@ class Scheduler:
     budget_bytes: int
     context_length: int
     prefetch: int = 8
+    auto_prefill: bool = False  # size the prefill batch from the waiting prompts
+    prefill_step: int = 2048
     _reserved: dict[str, int] = field(default_factory=dict)
 
     def job_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
@@ -100,6 +122,12 @@ class Scheduler:
             return False
         self._reserved[key] = need
         return True
+
+    def prefill_batch(self, waiting_prompt_lengths: list[int]) -> int | None:
+        """The prefill batch to use for these waiting prompts (None: leave it as it is)."""
+        if not self.auto_prefill or not waiting_prompt_lengths:
+            return None
+        return auto_prefill_batch(waiting_prompt_lengths, self.max_batch, self.prefill_step)
 
     def release(self, key: str) -> None:
         """Free a finished job's slot and memory."""

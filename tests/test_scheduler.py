@@ -4,6 +4,7 @@ from mlxq.scheduler import (
     Scheduler,
     admission_order,
     auto_max_batch,
+    auto_prefill_batch,
     memory_budget,
     split_budget,
 )
@@ -70,3 +71,27 @@ def test_admission_order_is_shortest_first_and_stable():
 def test_prefix_cache_share_comes_out_of_the_kv_budget():
     assert split_budget(1000, 0.1) == (900, 100)
     assert split_budget(1000, 0.0) == (1000, 0)
+
+
+def test_auto_prefill_batch_targets_a_token_budget():
+    assert auto_prefill_batch([128] * 256, cap=256, prefill_step=2048) == 128  # 16384 / 128
+    assert auto_prefill_batch([1000] * 10, cap=256, prefill_step=2048) == 16
+    assert auto_prefill_batch([128] * 256, cap=32, prefill_step=2048) == 32  # the batch caps it
+    assert auto_prefill_batch([50_000], cap=256, prefill_step=2048) == 8  # chunks of 2048
+    long_tail = [16] * 80 + [1024] * 20  # the 90th percentile, not the median, decides
+    assert auto_prefill_batch(long_tail, cap=256, prefill_step=2048) == 16
+    assert auto_prefill_batch([], cap=256, prefill_step=2048) == 8
+
+
+def test_scheduler_sizes_prefill_only_when_automatic():
+    s = Scheduler(
+        max_batch=64,
+        kv_bytes_per_token=1,
+        budget_bytes=10**9,
+        context_length=4096,
+        auto_prefill=True,
+    )
+    assert s.prefill_batch([256] * 10) == 64
+    assert s.prefill_batch([]) is None
+    fixed = Scheduler(max_batch=64, kv_bytes_per_token=1, budget_bytes=10**9, context_length=4096)
+    assert fixed.prefill_batch([256] * 10) is None
