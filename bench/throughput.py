@@ -540,7 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     # (the raw BatchGenerator runs with the same, so the two compare like for like).
     def prefill_for(wl: Workload) -> int:
         lengths = [len(p) for p in wl.prompts]
-        return profile.prefill_batch or auto_prefill_batch(lengths, batch, profile.prefill_step)
+        step, tokens = profile.prefill_step, scheduler.prefill_tokens
+        return profile.prefill_batch or auto_prefill_batch(lengths, batch, step, tokens)
 
     how = "given" if args.batch else "auto"
     defaults = inspect.signature(BatchGenerator.__init__).parameters

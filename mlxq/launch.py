@@ -17,6 +17,7 @@ from mlxq.reporting import Reporter
 from mlxq.runner import Runner
 from mlxq.scheduler import (
     MAX_AUTO_BATCH,
+    PREFILL_TOKENS,
     Scheduler,
     auto_max_batch,
     memory_budget,
@@ -102,6 +103,7 @@ def build_scheduler(engine: Engine, facts: DeviceFacts, profile: WorkerProfile) 
         prefetch=profile.prefill_batch or 8,
         auto_prefill=profile.prefill_batch is None,
         prefill_step=profile.prefill_step,
+        prefill_tokens=PREFILL_TOKENS.get(facts.backend, PREFILL_TOKENS["cpu"]),
     )
 
 

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 MAX_AUTO_BATCH = 256
 # The job length the automatic batch size is planned for (prompt + output tokens).
 PLANNED_JOB_TOKENS = 2048
-# Prompt tokens one prefill call may process when the prefill batch is automatic: wide
-# enough to keep a GPU busy (an H200 ran a 1B model 2.5x faster at 128 x 128 prompt tokens
-# per call than at mlx-lm's default of 8 prompts), small enough for modest activations.
-PREFILL_TOKENS = 16384
+# Prompt tokens one prefill call may process when the prefill batch is automatic. On a
+# GPU, wide calls keep it busy (an H200 ran a 1B model 2.5x faster at 128 x 128 prompt
+# tokens per call than at mlx-lm's default of 8 prompts); a CPU is compute-bound, so the
+# padding of wide calls costs more than it saves.
+PREFILL_TOKENS = {"cpu": 2048, "metal": 16384, "cuda": 16384}
 
 
 def memory_budget(total_bytes: int, model_bytes: int, fraction: float = 0.75) -> int:
@@ -32,7 +33,7 @@ def admission_order(prompt_lengths: list[int]) -> list[int]:
 
 
 def auto_prefill_batch(
-    prompt_lengths: list[int], cap: int, prefill_step: int, tokens: int = PREFILL_TOKENS
+    prompt_lengths: list[int], cap: int, prefill_step: int, tokens: int = PREFILL_TOKENS["cuda"]
 ) -> int:
     """Prompts to prefill together so one call processes about ``tokens`` prompt tokens.
 
@@ -70,6 +71,7 @@ class Scheduler:
     prefetch: int = 8
     auto_prefill: bool = False  # size the prefill batch from the waiting prompts
     prefill_step: int = 2048
+    prefill_tokens: int = PREFILL_TOKENS["cuda"]  # per prefill call, when automatic
     _reserved: dict[str, int] = field(default_factory=dict)
 
     def job_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
@@ -127,7 +129,9 @@ class Scheduler:
         """The prefill batch to use for these waiting prompts (None: leave it as it is)."""
         if not self.auto_prefill or not waiting_prompt_lengths:
             return None
-        return auto_prefill_batch(waiting_prompt_lengths, self.max_batch, self.prefill_step)
+        return auto_prefill_batch(
+            waiting_prompt_lengths, self.max_batch, self.prefill_step, self.prefill_tokens
+        )
 
     def release(self, key: str) -> None:
         """Free a finished job's slot and memory."""
