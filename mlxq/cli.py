@@ -62,7 +62,7 @@ def _worker_options(f: Callable) -> Callable:
         click.option(
             "--prefill-batch",
             type=click.IntRange(1, 512),
-            help="Prompts prefilled together [default: 8].",
+            help="Prompts prefilled together [default: sized from the waiting prompts].",
         ),
         click.option(
             "--memory-fraction",
