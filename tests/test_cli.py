@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,3 +82,79 @@ def test_run_and_make_model_print_json_summaries(tmp_path, batch_file):
     summary = json.loads(run.stdout)
     assert summary["total"] == summary["finished"] == 3 and summary["output"] == str(out)
     assert len(out.read_text().splitlines()) == 3
+
+
+def test_results_in_openai_batch_format_with_an_errors_file(valkey_url, conn, tmp_path, tiny_model):
+    src = tmp_path / "oa.jsonl"
+    lines = [
+        {
+            "custom_id": "ok",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "m",
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 4,
+            },
+        },
+        {"custom_id": "bad", "prompt": [1, 999999], "max_tokens": 4},
+    ]
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    batch = json.loads(
+        run_mlxq("submit", str(src), "--queue", "oa", "--json", url=valkey_url).stdout
+    )["batch_id"]
+    assert (
+        run_mlxq("worker", "--model", tiny_model, "-q", "oa", "--burst", url=valkey_url).returncode
+        == 0
+    )
+    out = tmp_path / "out.jsonl"
+    res = run_mlxq("results", batch, "--format", "openai", "-o", str(out), url=valkey_url)
+    assert res.returncode == 0, res.stderr
+    ok = [json.loads(x) for x in out.read_text().splitlines()]
+    errors = [json.loads(x) for x in (tmp_path / "out_errors.jsonl").read_text().splitlines()]
+    assert [x["custom_id"] for x in ok] == ["ok"] and ok[0]["error"] is None
+    body = ok[0]["response"]["body"]
+    assert ok[0]["response"]["status_code"] == 200 and body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert [x["custom_id"] for x in errors] == ["bad"] and errors[0]["response"] is None
+    assert "vocabulary" in errors[0]["error"]["message"]
+
+
+def test_rq_info_shows_mlxq_queues_and_workers(valkey_url, conn, tiny_model):
+    from mlxq import queue as q
+    from mlxq.launch import run_worker
+    from mlxq.profile import WorkerProfile
+    from mlxq.types import Request
+
+    q.submit(conn, [Request(prompt=f"p{i}", max_tokens=3) for i in range(4)], queue="rqi")
+    seen = []
+
+    def on_finish(_result) -> None:
+        if not seen:  # while the worker is alive, ask RQ's own CLI
+            rq = Path(sys.executable).with_name("rq")
+            seen.append(
+                subprocess.run(
+                    [
+                        str(rq),
+                        "info",
+                        "-u",
+                        valkey_url,
+                        "--serializer",
+                        "mlxq.serializer.JSONSerializer",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
+            )
+
+    run_worker(
+        WorkerProfile(model=tiny_model, max_batch=2, name="rq-visible"),
+        conn,
+        burst=True,
+        queues=["rqi"],
+        on_finish=on_finish,
+    )
+    info = seen[0]
+    assert info.returncode == 0, info.stderr
+    assert "rqi" in info.stdout and "rq-visible" in info.stdout and "1 workers" in info.stdout

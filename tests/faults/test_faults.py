@@ -211,3 +211,24 @@ def test_cancel_stops_queued_and_running_jobs(tiny_model, valkey_url, conn):
     cancelled = [r for r in results if r.finish_reason == "cancelled"]
     assert len(cancelled) == s.cancelled
     assert any(r.token_ids for r in cancelled)  # the running ones kept their partial output
+
+
+def test_a_worker_that_sleeps_past_its_heartbeat_never_writes_twice(tiny_model, valkey_url, conn):
+    """A laptop lid closed mid-batch: SIGSTOP the worker, let another take its jobs, then
+    SIGCONT it. Its late results must be dropped: every job keeps exactly one result."""
+    batch = submit(conn, 6, max_tokens=1500)
+    a = start_worker(valkey_url, tiny_model, "--abandon-after", "3", name="sleeper")
+    wait_until(lambda: q.batch_status(conn, batch).started > 0, 120, "jobs to start")
+    a.send_signal(signal.SIGSTOP)
+    b = start_worker(valkey_url, tiny_model, "--abandon-after", "3", name="awake")
+    try:
+        wait_until(lambda: q.batch_status(conn, batch).done == 6, 180, "the batch to finish")
+        a.send_signal(signal.SIGCONT)
+        time.sleep(5)  # the sleeper wakes, finishes its copies, and must drop them
+    finally:
+        a.send_signal(signal.SIGCONT)
+        out_a, out_b = stop(a), stop(b)
+    assert a.returncode == 0 and b.returncode == 0, out_a + out_b
+    results = assert_books_balance(conn, batch, 6)
+    assert "awake" in {r.worker for r in results}
+    assert "lost job" in out_a or "dropped this late result" in out_a, out_a
