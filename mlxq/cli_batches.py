@@ -13,7 +13,7 @@ from typing import Any, TextIO
 import click
 import redis
 
-from mlxq import keys
+from mlxq import fleet, keys
 from mlxq import queue as q
 from mlxq.cli_fleet import print_queue_overview
 from mlxq.cli_support import connect, fail, redis_option
@@ -138,14 +138,17 @@ def progress_bar(total: int, label: str) -> Iterator[Any]:
         yield bar
 
 
-def _wait_withbar(conn: redis.Redis, batch_id: str, timeout: float | None) -> BatchStatus:
+def _wait_with_progress(conn: redis.Redis, batch_id: str, timeout: float | None) -> BatchStatus:
     info = q.get_batch(conn, batch_id)
     start = time.monotonic()
     with progress_bar(info.total, f"batch {batch_id}") as bar:
 
         def progress(s: BatchStatus) -> None:
             if sys.stderr.isatty():  # a changing label reprints the line when piped
-                bar.label = f"batch {batch_id} ({s.started} running, {s.failed} failed)"
+                tps = _queue_tps(conn, info.queue)
+                bar.label = (
+                    f"batch {batch_id} ({s.started} running, {s.failed} failed, {tps:,.0f} tok/s)"
+                )
             bar.update(s.done - bar.pos)
 
         try:
@@ -159,6 +162,14 @@ def _wait_withbar(conn: redis.Redis, batch_id: str, timeout: float | None) -> Ba
         err=True,
     )
     return status
+
+
+def _queue_tps(conn: redis.Redis, queue: str) -> float:
+    """Recent tokens/s of the live workers serving ``queue`` (what they publish)."""
+    try:
+        return sum(w.recent_tps for w in fleet.live_workers(conn) if queue in w.queues)
+    except redis.RedisError:
+        return 0.0
 
 
 @dataclass
@@ -194,7 +205,7 @@ def _write_results(
 def _wait_and_write(
     conn: redis.Redis, batch_id: str, output: str | None, timeout: float | None
 ) -> None:
-    _wait_withbar(conn, batch_id, timeout)
+    _wait_with_progress(conn, batch_id, timeout)
     if output:
         emit_results(conn, batch_id, output)
 
@@ -282,7 +293,7 @@ def results(
     conn = connect(redis_url)
     try:
         if wait:
-            _wait_withbar(conn, batch_id, timeout)
+            _wait_with_progress(conn, batch_id, timeout)
         emit_results(conn, batch_id, output, OutputFormat(fmt, endpoint, errors))
     except q.BatchNotFound as e:
         fail(str(e))

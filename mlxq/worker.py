@@ -36,6 +36,7 @@ BUSY_WAIT_S = 0.02  # while jobs run, how long a pass waits for the MLX thread
 EMPTY_PULL_BACKOFF_S = 0.25  # after an empty pull, wait before asking Redis again
 IDLE_PULL_TIMEOUT_S = 1  # blocking pull when idle: short, so stop requests are seen
 CONTROL_INTERVAL_S = 0.5  # how often cancel flags and time limits are checked
+REPORT_INTERVAL_S = 2.0  # how often the worker publishes its state (WorkerInfo, metrics)
 RECOVERY_INTERVAL_S = 5.0  # how often abandoned jobs of dead workers are looked for
 MAX_BACKOFF_S = 30.0
 
@@ -76,6 +77,7 @@ class MlxqWorker(BaseWorker):
         self.on_finish: Callable[[Result], None] | None = None
         self._force_stop = False
         self._next_pull_at = self._last_beat = self._last_control = self._last_sweep = 0.0
+        self._last_report = 0.0
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         """Executions expire ``abandon_after`` seconds after the last heartbeat."""
@@ -144,6 +146,7 @@ class MlxqWorker(BaseWorker):
             self.log.info("Worker %s: queues empty, nothing in flight: done", self.name)
             return True
         self._beat_if_due()
+        self._report_if_due()
         self._control_if_due()
         if self.inflight:
             self._finish(self.runner.completions(timeout=BUSY_WAIT_S))
@@ -290,19 +293,26 @@ class MlxqWorker(BaseWorker):
                     )
                     inf.job.heartbeat(stamp, self.abandon_after, pipeline=pipe, xx=True)
             pipe.execute()
-        if self.reporter is not None and self.runner.scheduler is not None:
-            self.reporter.publish(
-                self.connection,
-                self.runner.scheduler,
-                len(self.inflight),
-                ttl=self.abandon_after,
-                memory=self.runner.memory,
-            )
         for inf, ok in zip(items, held, strict=True):
             if not ok:
                 self.log.warning("Worker %s: lost job %s to another worker", self.name, inf.job.id)
                 self.inflight.pop(inf.job.id, None)
                 self.runner.cancel(inf.job.id)
+
+    def _report_if_due(self) -> None:
+        """Publish this worker's state (`mlxq workers`, progress bars, metrics)."""
+        if self.reporter is None or self.runner.scheduler is None:
+            return
+        if time.monotonic() - self._last_report < REPORT_INTERVAL_S:
+            return
+        self._last_report = time.monotonic()
+        self.reporter.publish(
+            self.connection,
+            self.runner.scheduler,
+            len(self.inflight),
+            ttl=self.abandon_after,
+            memory=self.runner.memory,
+        )
 
     def _control_if_due(self) -> None:
         """Stop jobs that were cancelled (`mlxq cancel`) or ran past their time limit."""
