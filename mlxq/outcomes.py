@@ -20,7 +20,7 @@ from rq.utils import now
 from rq.worker import BaseWorker
 
 from mlxq.engine import Completion
-from mlxq.types import JobMeta, Request, Result, Timing, Usage
+from mlxq.types import FinishReason, JobMeta, Request, Result, Timing, Usage
 
 # RQ status each finish reason leaves a job in (the result is stored either way).
 STATUS = {
@@ -42,7 +42,7 @@ class InFlight:
     request: Request
     meta: JobMeta
     started_at: float
-    stop_reason: str | None = None  # "timeout" or "cancelled" when the worker stopped it
+    stop_reason: FinishReason | None = None  # "timeout"/"cancelled" when the worker stopped it
 
 
 def still_held(conn: redis.Redis, items: list[InFlight]) -> list[bool]:
@@ -108,17 +108,21 @@ def _write(pipe, worker: BaseWorker, inf: InFlight, result: Result) -> None:
 def build_result(inf: InFlight, c: Completion, model: str, worker: str) -> Result:
     """The stored result of a job: tokens, usage and timing."""
     n = len(c.token_ids)
-    reason = inf.stop_reason if c.finish_reason == "cancelled" and inf.stop_reason else None
-    error = {"timeout": f"stopped after the job's {inf.job.timeout}s time limit"}.get(reason or "")
+    # A job the worker stopped ends "cancelled" in the engine; say why it was stopped.
+    stopped = c.finish_reason == "cancelled" and inf.stop_reason is not None
+    reason = inf.stop_reason if stopped and inf.stop_reason else c.finish_reason
+    error = c.error
+    if reason == "timeout" and error is None:
+        error = f"stopped after the job's {inf.job.timeout}s time limit"
     return Result(
         job_id=inf.job.id,
         custom_id=inf.request.custom_id or inf.meta.custom_id,
-        finish_reason=reason or c.finish_reason,  # type: ignore[arg-type]
+        finish_reason=reason,
         text=c.text,
         token_ids=c.token_ids,
         usage=Usage(c.prompt_tokens, n, c.prompt_tokens + n),
         logprobs=c.logprobs,
-        error=c.error or error,
+        error=error,
         model=model,
         worker=worker,
         batch_id=inf.meta.batch_id,
