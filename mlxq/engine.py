@@ -108,6 +108,10 @@ class Engine:
         self._stats = EngineStats()  # admitted prompts; counters of generators replaced
         self._gen = self._new_generator()
 
+    def prefill_length(self, tokens: list[int]) -> int:
+        """Tokens of this prompt the engine will likely prefill (less a cached prefix)."""
+        return len(tokens) if self._prefix is None else self._prefix.uncached_length(tokens)
+
     def set_prefill_batch(self, n: int) -> None:
         """Prefill up to ``n`` prompts together from the next step on."""
         self.prefill_batch = max(1, min(n, self.max_batch))

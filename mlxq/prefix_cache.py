@@ -160,6 +160,17 @@ class PrefixCache:
         while len(self._counts) > self.max_counts:
             self._counts.popitem(last=False)
 
+    def uncached_length(self, tokens: list[int]) -> int:
+        """How much of a prompt is likely left to prefill: what follows its longest prefix
+        that is stored or being stored. Read-only (no counting, no LRU touch)."""
+        node, matched = self._root, 0
+        for block in self._blocks(tokens):
+            child = node.children.get(block)
+            if child is None:
+                break
+            node, matched = child, matched + 1
+        return len(tokens) - matched * self.block_size
+
     def plan(self, tokens: list[int]) -> Plan | None:
         """The longest stored prefix to start from and what to store; None: wait.
 

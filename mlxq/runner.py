@@ -183,7 +183,8 @@ class Runner:
         """Move pending jobs into the batch while the scheduler has room (in order)."""
         assert self.engine is not None and self.scheduler is not None
         if self._pending:
-            size = self.scheduler.prefill_batch([len(w.tokens) for w in self._pending])
+            lengths = [self.engine.prefill_length(w.tokens) for w in self._pending]
+            size = self.scheduler.prefill_batch(lengths)
             if size is not None and size != self.engine.prefill_batch:
                 self.engine.set_prefill_batch(size)
         while self._pending:

@@ -65,6 +65,21 @@ def test_a_prefix_seen_twice_is_stored_then_reused() -> None:
     assert (cache.hits, cache.reused_tokens) == (1, 12)
 
 
+def test_uncached_length_counts_what_follows_stored_or_pending_blocks() -> None:
+    cache = small_cache()
+    a, b = [*SHARED, 1, 2], [*SHARED, 3, 4, 5]
+    assert cache.uncached_length(b) == len(b)  # nothing stored yet
+    cache.observe(a)
+    cache.plan(a)
+    cache.observe(b)
+    plan_b = cache.plan(b)  # b will store the shared blocks: they count as cached already
+    assert cache.uncached_length([*SHARED, 9]) == 1
+    fill(cache, plan_b)
+    assert cache.uncached_length([*SHARED, 6, 7]) == 2
+    assert cache.uncached_length([7, 7, 7]) == 3
+    assert (cache.hits, cache.reused_tokens) == (0, 0)  # a look-up, not a use
+
+
 def test_lookup_leaves_at_least_one_token_to_prefill() -> None:
     cache = small_cache()
     produce(cache, [*SHARED, 1])
