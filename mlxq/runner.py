@@ -157,16 +157,29 @@ class Runner:
             item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
+        arrived = False
         while item is not None:
             if isinstance(item, _Cancel):
                 self._cancel(item.key)
             else:
                 order = admission_order([len(w.tokens) for w in item])
                 self._pending.extend(item[i] for i in order)
+                arrived = True
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
+        if arrived:
+            self._size_prefill()
+
+    def _size_prefill(self) -> None:
+        """Resize the prefill batch for the jobs waiting now (once per arrival, not per
+        step: it walks the prefix cache for every waiting prompt)."""
+        assert self.engine is not None and self.scheduler is not None
+        lengths = [self.engine.prefill_length(w.tokens) for w in self._pending]
+        size = self.scheduler.prefill_batch(lengths)
+        if size is not None and size != self.engine.prefill_batch:
+            self.engine.set_prefill_batch(size)
 
     def _cancel(self, key: str) -> None:
         assert self.engine is not None
@@ -182,11 +195,6 @@ class Runner:
     def _admit(self) -> None:
         """Move pending jobs into the batch while the scheduler has room (in order)."""
         assert self.engine is not None and self.scheduler is not None
-        if self._pending:
-            lengths = [self.engine.prefill_length(w.tokens) for w in self._pending]
-            size = self.scheduler.prefill_batch(lengths)
-            if size is not None and size != self.engine.prefill_batch:
-                self.engine.set_prefill_batch(size)
         while self._pending:
             work = self._pending[0]
             max_tokens = work.job.request.max_tokens
