@@ -289,26 +289,16 @@ def run_mlxq(
     time (``Engine.stats()``), so prompt tokens taken from the prefix cache count too.
     """
     from mlxq.engine import Engine
-    from mlxq.launch import build_scheduler
+    from mlxq.launch import build_scheduler, engine_for
     from mlxq.queue import connect, iter_batch_results, submit
     from mlxq.runner import Runner
-    from mlxq.scheduler import MAX_AUTO_BATCH
     from mlxq.types import Request
     from mlxq.worker import MlxqWorker
 
     readings: dict[str, Any] = {}
 
     def make_engine(_facts: object) -> Engine:  # as mlxq.launch.make_runner, loaded model
-        engine = Engine.from_loaded(
-            model,
-            tokenizer,
-            name,
-            max_batch=profile.max_batch or MAX_AUTO_BATCH,
-            prefill_batch=profile.prefill_batch or 8,
-            prefill_step=profile.prefill_step,
-            prefix_cache_bytes=prefix_cache_bytes,
-        )
-        engine.warmup()
+        engine = engine_for(model, tokenizer, name, profile, prefix_cache_bytes)
         readings["start"] = engine.stats()
         return engine
 

@@ -17,7 +17,7 @@ from mlxq import fleet, keys
 from mlxq import queue as q
 from mlxq.cli_fleet import print_queue_overview
 from mlxq.cli_support import connect, fail, redis_option
-from mlxq.formats import is_error, to_openai_line
+from mlxq.formats import ENDPOINTS, is_error, to_openai_line
 from mlxq.types import BatchStatus, Result, json_encoder
 
 
@@ -266,8 +266,8 @@ def _same_or_open(path: str, output: str, out: TextIO) -> Iterator[TextIO]:
 )
 @click.option(
     "--endpoint",
-    type=click.Choice(["/v1/chat/completions", "/v1/completions"]),
-    default="/v1/chat/completions",
+    type=click.Choice(ENDPOINTS),
+    default=ENDPOINTS[0],
     show_default=True,
     help="With --format openai: the response body shape.",
 )

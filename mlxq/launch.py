@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import mlx_lm
 import redis
@@ -16,6 +17,7 @@ from mlxq.profile import WorkerProfile
 from mlxq.reporting import Reporter
 from mlxq.runner import Runner
 from mlxq.scheduler import (
+    DEFAULT_PREFILL_BATCH,
     MAX_AUTO_BATCH,
     PREFILL_TOKENS,
     Scheduler,
@@ -46,22 +48,29 @@ def make_runner(profile: WorkerProfile) -> Runner:
     def make_engine(facts: DeviceFacts) -> Engine:
         loaded, tokenizer = mlx_lm.load(model, adapter_path=profile.adapter_path)
         _, prefix_bytes = _budgets(facts, model_info(loaded, model).param_bytes, profile)
-        engine = Engine.from_loaded(
-            loaded,
-            tokenizer,
-            model,
-            max_batch=profile.max_batch or MAX_AUTO_BATCH,
-            prefill_batch=profile.prefill_batch or 8,
-            prefill_step=profile.prefill_step,
-            prefix_cache_bytes=prefix_bytes,
-        )
-        engine.warmup()
-        return engine
+        return engine_for(loaded, tokenizer, model, profile, prefix_bytes)
 
     def make_scheduler(engine: Engine, facts: DeviceFacts) -> Scheduler:
         return build_scheduler(engine, facts, profile)
 
     return Runner(make_engine, make_scheduler)
+
+
+def engine_for(
+    loaded: Any, tokenizer: Any, name: str, profile: WorkerProfile, prefix_cache_bytes: int
+) -> Engine:
+    """A warmed-up Engine over a loaded model, sized as the profile says."""
+    engine = Engine.from_loaded(
+        loaded,
+        tokenizer,
+        name,
+        max_batch=profile.max_batch or MAX_AUTO_BATCH,
+        prefill_batch=profile.prefill_batch or DEFAULT_PREFILL_BATCH,
+        prefill_step=profile.prefill_step,
+        prefix_cache_bytes=prefix_cache_bytes,
+    )
+    engine.warmup()
+    return engine
 
 
 def build_scheduler(engine: Engine, facts: DeviceFacts, profile: WorkerProfile) -> Scheduler:
@@ -100,7 +109,7 @@ def build_scheduler(engine: Engine, facts: DeviceFacts, profile: WorkerProfile) 
         kv_bytes_per_token=info.kv_bytes_per_token,
         budget_bytes=budget,
         context_length=info.context_length,
-        prefetch=profile.prefill_batch or 8,
+        prefetch=profile.prefill_batch or DEFAULT_PREFILL_BATCH,
         auto_prefill=profile.prefill_batch is None,
         prefill_step=profile.prefill_step,
         prefill_tokens=PREFILL_TOKENS.get(facts.backend, PREFILL_TOKENS["cpu"]),

@@ -18,6 +18,8 @@ PLANNED_JOB_TOKENS = 2048
 # tokens per call than at mlx-lm's default of 8 prompts); a CPU is compute-bound, so the
 # padding of wide calls costs more than it saves.
 PREFILL_TOKENS = {"cpu": 2048, "metal": 16384, "cuda": 16384}
+# Prompts prefilled together before any are waiting (mlx-lm's own default).
+DEFAULT_PREFILL_BATCH = 8
 
 
 def memory_budget(total_bytes: int, model_bytes: int, fraction: float = 0.75) -> int:
@@ -42,7 +44,7 @@ def auto_prefill_batch(
     At least 1 and at most ``cap`` (the batch size).
     """
     if not prompt_lengths:
-        return max(1, min(cap, 8))
+        return max(1, min(cap, DEFAULT_PREFILL_BATCH))
     ranked = sorted(prompt_lengths)
     typical = min(ranked[min(len(ranked) - 1, len(ranked) * 9 // 10)], prefill_step)
     return max(1, min(cap, tokens // max(1, typical)))
