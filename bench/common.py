@@ -24,7 +24,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 def use_openblas() -> None:
     """Re-execute under OpenBLAS on Linux CPUs (as the ``mlxq`` command does); else return."""
-    from mlxq.blas import reexec_with_openblas
+    from mlxq.engine.blas import reexec_with_openblas
 
     reexec_with_openblas()
 
@@ -55,8 +55,8 @@ def bench_queue() -> str:
 
 def drop_batch(conn: Any, batch_id: str, queue: str) -> None:
     """Delete the queue (with any jobs still on it) and the batch records; results expire."""
-    from mlxq import keys
-    from mlxq.queue import make_queue
+    from mlxq.broker import keys
+    from mlxq.broker.batches import make_queue
 
     make_queue(conn, queue).empty()
     conn.delete(keys.batch_info(batch_id), keys.batch_jobs(batch_id))
@@ -95,7 +95,7 @@ def work_burst(worker: Any) -> tuple[float, float]:
 
 def describe_device() -> str:
     """``backend name``, e.g. ``cuda NVIDIA H200`` or ``cpu AMD EPYC``."""
-    from mlxq.hardware import device_facts
+    from mlxq.engine.hardware import device_facts
 
     facts = device_facts()
     return f"{facts.backend} {facts.name}".strip()

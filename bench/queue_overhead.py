@@ -1,6 +1,6 @@
 """What Redis and the RQ worker cost, without a model.
 
-(a) submit: jobs/s that one process enqueues with ``mlxq.queue.submit`` (pipelined, in
+(a) submit: jobs/s that one process enqueues with ``mlxq.broker.batches.submit`` (pipelined, in
     chunks), and how long reading a batch's status and results back takes.
 (b) worker: an ``MlxqWorker`` in burst mode on a Runner whose engine is a model-free stub
     that "generates" ``--gen-tokens`` tokens per job at a fixed ``--step-ms`` per decode
@@ -34,8 +34,8 @@ from common import (
     write_json,
 )
 
-from mlxq.engine import Completion, EngineJob
-from mlxq.types import ModelInfo, Request
+from mlxq.engine.mlx_lm_batch import Completion, EngineJob
+from mlxq.wire import ModelInfo, Request
 
 # The stub's one token id and the text it stands for (about four characters a token).
 STUB_TOKEN, STUB_TEXT = 7, "tok "
@@ -127,8 +127,8 @@ class StubEngine:
 
 
 def _runner(engine: StubEngine, batch: int) -> Any:
-    from mlxq.runner import Runner
-    from mlxq.scheduler import Scheduler
+    from mlxq.engine.runner import Runner
+    from mlxq.engine.scheduler import Scheduler
 
     def make_scheduler(_engine: Any, _facts: Any) -> Scheduler:
         return Scheduler(
@@ -154,7 +154,7 @@ def _commands(conn: Any) -> int | None:
 
 # -- (a) submit ----------------------------------------------------------------------------
 def bench_submit(conn: Any, n: int) -> dict[str, Any]:
-    from mlxq.queue import batch_status, iter_batch_results, submit
+    from mlxq.broker.batches import batch_status, iter_batch_results, submit
 
     requests = [Request(prompt="Say hi.", max_tokens=16) for _ in range(n)]
     queue = bench_queue()
@@ -185,7 +185,7 @@ def bench_submit(conn: Any, n: int) -> dict[str, Any]:
 # -- (b) worker ----------------------------------------------------------------------------
 def run_direct(args: argparse.Namespace) -> dict[str, Any]:
     """The stub on a Runner, jobs handed over in-process: the no-Redis baseline."""
-    from mlxq.runner import Work
+    from mlxq.engine.runner import Work
 
     engine = StubEngine(args.step_ms / 1000)
     runner = _runner(engine, args.batch)
@@ -207,8 +207,8 @@ def run_direct(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_worker(conn: Any, args: argparse.Namespace) -> dict[str, Any]:
     """The stub behind Redis: submit, burst worker on this (main) thread, read back."""
-    from mlxq.queue import iter_batch_results, submit
-    from mlxq.worker import MlxqWorker
+    from mlxq.broker.batches import iter_batch_results, submit
+    from mlxq.worker.rq_worker import MlxqWorker
 
     engine = StubEngine(args.step_ms / 1000)
     runner = _runner(engine, args.batch)
@@ -281,7 +281,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_logs()
-    from mlxq.queue import connect
+    from mlxq.broker.batches import connect
 
     out: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "json"}}
     with redis_url(args.redis_url) as url:

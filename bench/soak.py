@@ -17,18 +17,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mlxq.blas import reexec_with_openblas
+from mlxq.engine.blas import reexec_with_openblas
 
 reexec_with_openblas()
 
 import mlx.core as mx  # noqa: E402
 
-from mlxq import queue as q  # noqa: E402
-from mlxq.launch import run_worker  # noqa: E402
-from mlxq.make_model import make_model  # noqa: E402
-from mlxq.profile import WorkerProfile  # noqa: E402
+from mlxq.broker import batches as q  # noqa: E402
+from mlxq.engine.make_model import make_model  # noqa: E402
 from mlxq.server import embedded  # noqa: E402
-from mlxq.types import Request  # noqa: E402
+from mlxq.wire import Request  # noqa: E402
+from mlxq.worker.launch import run_worker  # noqa: E402
+from mlxq.worker.profile import WorkerProfile  # noqa: E402
 
 
 def rss_mib() -> float:

@@ -66,7 +66,7 @@ def preset_tokenizer() -> Any:
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
     from transformers import PreTrainedTokenizerFast
 
-    from mlxq.make_model import BOS, CHAT_TEMPLATE, END, EOS_IDS, EOT, build_tokenizer
+    from mlxq.engine.make_model import BOS, CHAT_TEMPLATE, END, EOS_IDS, EOT, build_tokenizer
 
     hf = PreTrainedTokenizerFast(
         tokenizer_object=build_tokenizer(), bos_token=BOS, eos_token=EOT, pad_token=END
@@ -83,7 +83,7 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, str]:
         model, tokenizer = mlx_lm.load(args.model)[:2]
         return model, tokenizer, Path(args.model.rstrip("/")).name or args.model
 
-    from mlxq.make_model import build_model
+    from mlxq.engine.make_model import build_model
 
     model, _ = build_model(args.preset, seed=SEED)
     return model, preset_tokenizer(), args.preset
@@ -288,16 +288,16 @@ def run_mlxq(
     The prompt tok/s is effective: the requests' prompt tokens over the engine's prefill
     time (``Engine.stats()``), so prompt tokens taken from the prefix cache count too.
     """
-    from mlxq.engine import Engine
-    from mlxq.launch import build_scheduler, engine_for
-    from mlxq.queue import connect, iter_batch_results, submit
-    from mlxq.runner import Runner
-    from mlxq.types import Request
-    from mlxq.worker import MlxqWorker
+    from mlxq.broker.batches import connect, iter_batch_results, submit
+    from mlxq.engine.mlx_lm_batch import Engine
+    from mlxq.engine.runner import Runner
+    from mlxq.wire import Request
+    from mlxq.worker.launch import build_scheduler, engine_for
+    from mlxq.worker.rq_worker import MlxqWorker
 
     readings: dict[str, Any] = {}
 
-    def make_engine(_facts: object) -> Engine:  # as mlxq.launch.make_runner, loaded model
+    def make_engine(_facts: object) -> Engine:  # as mlxq.worker.launch.make_runner, loaded model
         engine = engine_for(model, tokenizer, name, profile, prefix_cache_bytes)
         readings["start"] = engine.stats()
         return engine
@@ -417,7 +417,7 @@ def report(header: str, results: list[ModeResult], wl: Workload) -> str:
 
 # -- main --------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from mlxq.make_model import PRESETS
+    from mlxq.engine.make_model import PRESETS
 
     ap = argparse.ArgumentParser(
         description="Generation throughput: naive, batch_generate, raw BatchGenerator, mlxq.",
@@ -507,11 +507,11 @@ def main(argv: list[str] | None = None) -> int:
     from mlx_lm import stream_generate
     from mlx_lm.generate import BatchGenerator
 
-    from mlxq.hardware import device_facts
-    from mlxq.launch import build_scheduler
-    from mlxq.model_facts import model_info
-    from mlxq.profile import WorkerProfile
-    from mlxq.scheduler import auto_prefill_batch
+    from mlxq.engine.hardware import device_facts
+    from mlxq.engine.model_facts import model_info
+    from mlxq.engine.scheduler import auto_prefill_batch
+    from mlxq.worker.launch import build_scheduler
+    from mlxq.worker.profile import WorkerProfile
 
     clock = Stopwatch()
     model, tokenizer, name = load(args)

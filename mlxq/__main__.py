@@ -1,5 +1,5 @@
 """``python -m mlxq``: the same as the ``mlxq`` command."""
 
-from mlxq.cli import main
+from mlxq.cli.main import main
 
 main()

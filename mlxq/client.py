@@ -16,9 +16,9 @@ from typing import Any
 import msgspec
 import redis
 
-from mlxq import keys
-from mlxq import queue as q
-from mlxq.types import BatchInfo, BatchStatus, Request, Result, StreamEntry
+from mlxq.broker import batches as q
+from mlxq.broker import keys
+from mlxq.wire import BatchInfo, BatchStatus, Request, Result, StreamEntry
 
 
 class Client:
@@ -66,7 +66,7 @@ class Client:
     def stream(self, job_id: str) -> Iterator[StreamEntry]:
         """A ``stream: true`` job's output as it is generated; the last entry has
         ``finish_reason``."""
-        from mlxq import streams
+        from mlxq.broker import streams
 
         return streams.follow(self.connection, job_id)
 
@@ -89,7 +89,7 @@ def _as_request(obj: Request | Mapping[str, Any], index: int) -> Request:
     if isinstance(obj, Request):
         return obj
     if "body" in obj and "url" in obj:
-        from mlxq.inputs import request_from_openai
+        from mlxq.formats.inputs import request_from_openai
 
         return request_from_openai(dict(obj), index)
     try:

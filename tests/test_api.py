@@ -21,13 +21,13 @@ import uvicorn
 from click.testing import CliRunner
 from openai import OpenAI
 
-from mlxq import keys
 from mlxq.api import api_command
 from mlxq.api import redis_keys as rk
 from mlxq.api.app import ApiSettings, create_app
-from mlxq.launch import run_worker
-from mlxq.profile import WorkerProfile
-from mlxq.types import WorkerInfo
+from mlxq.broker import keys
+from mlxq.wire import WorkerInfo
+from mlxq.worker.launch import run_worker
+from mlxq.worker.profile import WorkerProfile
 
 KEY, OTHER_KEY = "sk-mlxq-test-1", "sk-mlxq-test-2"
 MODEL = "tiny"  # the queue is the model's last path component: the tiny model's folder

@@ -11,8 +11,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import load_tokenizer
 
-from mlxq.engine import Completion, Engine, EngineJob, JobInputError
-from mlxq.types import Message, Request
+from mlxq.engine.mlx_lm_batch import Completion, Engine, EngineJob, JobInputError
+from mlxq.wire import Message, Request
 
 REQUESTS = [
     Request(prompt="The capital of France is", max_tokens=20),

@@ -13,11 +13,11 @@ from helpers import free_port, wait_for_port
 from rq import Worker
 from rq.job import Job
 
-from mlxq import fleet, keys
-from mlxq import queue as q
-from mlxq.cli_fleet import format_workers, print_queue_overview, workers
-from mlxq.serializer import serializer
-from mlxq.types import Request, WorkerInfo
+from mlxq.broker import batches as q
+from mlxq.broker import fleet, keys
+from mlxq.broker.serializer import serializer
+from mlxq.cli.fleet import format_workers, print_queue_overview, workers
+from mlxq.wire import Request, WorkerInfo
 
 
 def make_info(name: str, **changes) -> WorkerInfo:
@@ -153,8 +153,8 @@ def test_started_jobs_are_counted_from_rqs_registry(conn):
 
 
 def test_finished_and_failed_counts_after_a_real_worker(conn, tiny_model):
-    from mlxq.launch import run_worker
-    from mlxq.profile import WorkerProfile
+    from mlxq.worker.launch import run_worker
+    from mlxq.worker.profile import WorkerProfile
 
     reqs = [
         Request(prompt="fine", max_tokens=3),
@@ -328,7 +328,7 @@ def test_recent_rate_takes_explicit_times_and_ignores_empty_events():
 
 
 def test_tables_with_no_rows_are_just_headers():
-    from mlxq.cli_fleet import format_queues
+    from mlxq.cli.fleet import format_queues
 
     assert format_workers([]).split()[:2] == ["NAME", "HOST"]
     assert format_queues([]).split()[0] == "QUEUE"

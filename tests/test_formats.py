@@ -6,8 +6,14 @@ import json
 
 import pytest
 
-from mlxq.formats import ERROR_MESSAGES, error_line, is_error, is_success, to_openai_line
-from mlxq.types import Result, Timing, TokenLogprob, TopLogprob, Usage, result_decoder
+from mlxq.formats.openai_output import (
+    ERROR_MESSAGES,
+    error_line,
+    is_error,
+    is_success,
+    to_openai_line,
+)
+from mlxq.wire import Result, Timing, TokenLogprob, TopLogprob, Usage, result_decoder
 
 # The README's example result, as a worker stores it.
 README_RESULT = b"""{"job_id": "9f1c", "custom_id": "a1", "finish_reason": "length",

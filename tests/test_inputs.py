@@ -1,4 +1,4 @@
-"""Tests of mlxq.inputs: reading `mlxq submit` JSONL files (mlxq and OpenAI batch lines)."""
+"""Tests of mlxq.formats.inputs: reading `mlxq submit` JSONL files (mlxq and OpenAI batch lines)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlxq.inputs import (
+from mlxq.formats.inputs import (
     InputFileError,
     InvalidLine,
     LineError,
@@ -23,7 +23,7 @@ from mlxq.inputs import (
     read_requests,
     request_from_openai,
 )
-from mlxq.types import Message, Request, json_encoder
+from mlxq.wire import Message, Request, json_encoder
 
 DATA = Path(__file__).parent / "data" / "inputs"
 BAD = DATA / "bad"

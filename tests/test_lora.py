@@ -13,8 +13,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.tuner.utils import linear_to_lora_layers
 from test_engine import reference, run_all
 
-from mlxq.engine import Engine
-from mlxq.types import Request
+from mlxq.engine.mlx_lm_batch import Engine
+from mlxq.wire import Request
 
 LORA_KEYS = ["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"]
 

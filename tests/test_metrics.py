@@ -12,8 +12,8 @@ pytest.importorskip("prometheus_client")
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from mlxq.metrics import MAX_FAILURE_REASONS, WorkerMetrics
-from mlxq.types import Result, Timing, Usage
+from mlxq.wire import Result, Timing, Usage
+from mlxq.worker.metrics import MAX_FAILURE_REASONS, WorkerMetrics
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ import pytest
 from mlx_lm.models.cache import KVCache
 from test_engine import FlakyModel, reference, run_all
 
-from mlxq.engine import Completion, Engine, EngineJob
-from mlxq.prefix_cache import PrefixCache
-from mlxq.types import Request
+from mlxq.engine.mlx_lm_batch import Completion, Engine, EngineJob
+from mlxq.engine.prefix_cache import PrefixCache
+from mlxq.wire import Request
 
 # -- bookkeeping, no model: blocks of 4 tokens, payloads are labels of 100 bytes ----------
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxq.profile import ProfileError, WorkerProfile, load_profile, merge
+from mlxq.worker.profile import ProfileError, WorkerProfile, load_profile, merge
 
 WORKERS = Path(__file__).resolve().parent.parent / "workers"
 

@@ -10,10 +10,10 @@ import pytest
 from rq import Queue
 from rq.job import Job
 
-from mlxq import keys
-from mlxq import queue as q
-from mlxq.serializer import serializer
-from mlxq.types import Request, Result
+from mlxq.broker import batches as q
+from mlxq.broker import keys
+from mlxq.broker.serializer import serializer
+from mlxq.wire import Request, Result
 
 
 def _reqs(n: int) -> list[Request]:

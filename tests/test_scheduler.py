@@ -1,6 +1,6 @@
 """Scheduling policy, without MLX: batch caps, memory budget, jobs too big to run."""
 
-from mlxq.scheduler import (
+from mlxq.engine.scheduler import (
     Scheduler,
     admission_order,
     auto_max_batch,

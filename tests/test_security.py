@@ -13,11 +13,11 @@ import pytest
 import redis
 from helpers import run_mlxq
 
-from mlxq import queue as q
-from mlxq.launch import run_worker
-from mlxq.profile import WorkerProfile
+from mlxq.broker import batches as q
 from mlxq.server import make_server
-from mlxq.types import Request
+from mlxq.wire import Request
+from mlxq.worker.launch import run_worker
+from mlxq.worker.profile import WorkerProfile
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "s3cret-Pa55-do-not-leak"

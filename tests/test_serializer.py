@@ -5,7 +5,7 @@ import pickle
 
 import pytest
 
-from mlxq.serializer import serializer
+from mlxq.broker.serializer import serializer
 
 
 class Boom:

@@ -7,11 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mlxq import queue as q
+from mlxq.broker import batches as q
 from mlxq.client import Client
-from mlxq.launch import run_worker
-from mlxq.profile import WorkerProfile
-from mlxq.types import Request
+from mlxq.wire import Request
+from mlxq.worker.launch import run_worker
+from mlxq.worker.profile import WorkerProfile
 
 ROOT = Path(__file__).resolve().parent.parent
 

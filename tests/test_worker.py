@@ -8,11 +8,11 @@ import pytest
 from rq import Queue
 from rq.job import Job
 
-from mlxq import queue as q
-from mlxq.launch import run_worker
-from mlxq.profile import WorkerProfile
-from mlxq.serializer import serializer
-from mlxq.types import Request
+from mlxq.broker import batches as q
+from mlxq.broker.serializer import serializer
+from mlxq.wire import Request
+from mlxq.worker.launch import run_worker
+from mlxq.worker.profile import WorkerProfile
 
 
 @pytest.fixture
@@ -121,7 +121,7 @@ def test_worker_publishes_itself_and_serves_metrics(conn, profile):
     import msgspec
     from prometheus_client.parser import text_string_to_metric_families
 
-    from mlxq import fleet
+    from mlxq.broker import fleet
 
     seen = []
     prof = msgspec.structs.replace(profile, metrics_port=0, name="pub-1")

@@ -12,12 +12,12 @@ import pytest
 from rq import Queue
 from rq.job import Job
 
-from mlxq import keys
-from mlxq import queue as q
-from mlxq.launch import run_worker
-from mlxq.profile import WorkerProfile
-from mlxq.serializer import serializer
-from mlxq.types import Request
+from mlxq.broker import batches as q
+from mlxq.broker import keys
+from mlxq.broker.serializer import serializer
+from mlxq.wire import Request
+from mlxq.worker.launch import run_worker
+from mlxq.worker.profile import WorkerProfile
 
 BAD = Path(__file__).parent / "data" / "inputs" / "bad"
 CORPUS = [

@@ -32,13 +32,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mlxq import queue as q
 from mlxq.api import batches, store
 from mlxq.api.auth import AuthMiddleware, KeyChecker
 from mlxq.api.errors import ApiError, bad_request
 from mlxq.api.models import list_models
 from mlxq.api.objects import FINAL_STATUSES, BatchState, encoder
 from mlxq.api.uploads import DEFAULT_MAX_LINES, DEFAULT_MAX_UPLOAD_BYTES, read_upload
+from mlxq.broker import batches as q
 
 log = logging.getLogger("mlxq.api")
 

@@ -16,8 +16,6 @@ import logging
 
 import redis
 
-from mlxq import keys
-from mlxq import queue as q
 from mlxq.api import redis_keys as rk
 from mlxq.api import store
 from mlxq.api.cancel import cancel_queued_jobs
@@ -35,8 +33,10 @@ from mlxq.api.objects import (
     now,
 )
 from mlxq.api.validation import validate_input
-from mlxq.openai_batch import CHAT_URL, COMPLETIONS_URL
-from mlxq.types import BatchStatus
+from mlxq.broker import batches as q
+from mlxq.broker import keys
+from mlxq.formats.openai_input import CHAT_URL, COMPLETIONS_URL
+from mlxq.wire import BatchStatus
 
 log = logging.getLogger("mlxq.api")
 

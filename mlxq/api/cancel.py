@@ -13,8 +13,8 @@ import redis
 from rq.exceptions import InvalidJobOperation
 from rq.job import Job
 
-from mlxq import queue as q
-from mlxq.serializer import serializer
+from mlxq.broker import batches as q
+from mlxq.broker.serializer import serializer
 
 _QUEUED_STATES = frozenset({"queued", "deferred", "scheduled"})
 _CHUNK = 500

@@ -13,10 +13,10 @@ import sys
 import click
 import redis
 
-from mlxq import keys
-from mlxq import queue as q
 from mlxq.api.auth import ENV_API_KEYS, load_keys
-from mlxq.cli_support import redis_option
+from mlxq.broker import batches as q
+from mlxq.broker import keys
+from mlxq.cli.support import redis_option
 
 
 def is_loopback(host: str) -> bool:

@@ -16,7 +16,6 @@ from typing import Any
 import msgspec
 import redis
 
-from mlxq import queue as q
 from mlxq.api import redis_keys as rk
 from mlxq.api import store
 from mlxq.api.cancel import cancel_queued_jobs
@@ -28,9 +27,10 @@ from mlxq.api.objects import (
     now,
     output_file_id,
 )
-from mlxq.formats import ERROR_MESSAGES, error_line, is_success, to_openai_line
-from mlxq.serializer import serializer
-from mlxq.types import JobMeta, Result
+from mlxq.broker import batches as q
+from mlxq.broker.serializer import serializer
+from mlxq.formats.openai_output import ERROR_MESSAGES, error_line, is_success, to_openai_line
+from mlxq.wire import JobMeta, Result
 
 _INCOMPLETE = "The request had not completed when the batch was finalized."
 

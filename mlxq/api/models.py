@@ -1,6 +1,6 @@
 """``GET /v1/models``: the models that live workers serve.
 
-Each worker publishes a :class:`~mlxq.types.WorkerInfo` under ``keys.worker_info(name)``,
+Each worker publishes a :class:`~mlxq.wire.WorkerInfo` under ``keys.worker_info(name)``,
 refreshed with its heartbeat and expiring when it dies; its name is in the set
 ``keys.workers()``. Names whose info has expired are skipped (and left for the workers'
 own pruning).
@@ -13,8 +13,8 @@ from typing import Any
 import msgspec
 import redis
 
-from mlxq import keys
-from mlxq.types import WorkerInfo
+from mlxq.broker import keys
+from mlxq.wire import WorkerInfo
 
 _info_decoder = msgspec.json.Decoder(WorkerInfo)
 

@@ -1,12 +1,12 @@
 """Redis keys of the HTTP API, all under ``mlxq:api:``.
 
 Files and batch records of the OpenAI-compatible API live here; the jobs a batch runs are
-ordinary mlxq batches (``mlxq.keys``), whose id the batch record keeps.
+ordinary mlxq batches (``mlxq.broker.keys``), whose id the batch record keeps.
 """
 
 from __future__ import annotations
 
-from mlxq import keys
+from mlxq.broker import keys
 
 PREFIX = f"{keys.PREFIX}:api"
 

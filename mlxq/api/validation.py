@@ -1,6 +1,6 @@
 """Checking a batch's input file before anything is enqueued, as OpenAI does.
 
-Every line goes through mlxq's own parser (:func:`mlxq.inputs.parse_lines`), so the API
+Every line goes through mlxq's own parser (:func:`mlxq.formats.inputs.parse_lines`), so the API
 accepts exactly what ``mlxq submit`` accepts, with the same messages. On top of that, an
 OpenAI line's ``url`` must be the batch's ``endpoint``, and all lines must name the same
 ``model`` (it picks the queue). Any bad line fails the whole batch, with one
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from mlxq.api.objects import BatchError
-from mlxq.inputs import DEFAULT_MAX_LINE_BYTES, parse_lines
-from mlxq.types import Request
+from mlxq.formats.inputs import DEFAULT_MAX_LINE_BYTES, parse_lines
+from mlxq.wire import Request
 
 # How many per-line errors a failed batch lists before a final "... and N more".
 MAX_LISTED_ERRORS = 1000

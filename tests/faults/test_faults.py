@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from mlxq import queue as q
+from mlxq.broker import batches as q
 from mlxq.server import make_server
-from mlxq.types import Request
+from mlxq.wire import Request
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

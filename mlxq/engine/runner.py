@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxq.engine import Completion, Engine, EngineJob
-from mlxq.hardware import DeviceFacts, device_facts
-from mlxq.sampling import StreamChunk
-from mlxq.scheduler import Scheduler, admission_order
-from mlxq.types import ModelInfo
+from mlxq.engine.hardware import DeviceFacts, device_facts
+from mlxq.engine.mlx_lm_batch import Completion, Engine, EngineJob
+from mlxq.engine.sampling import StreamChunk
+from mlxq.engine.scheduler import Scheduler, admission_order
+from mlxq.wire import ModelInfo
 
-log = logging.getLogger("mlxq.runner")
+log = logging.getLogger("mlxq.engine.runner")
 
 # How long the idle MLX thread sleeps on its inbox before checking for stop.
 IDLE_WAIT_S = 0.1

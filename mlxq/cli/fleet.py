@@ -1,6 +1,6 @@
 """Fleet commands: ``mlxq workers`` and the queue overview of ``mlxq status`` (no batch id).
 
-Kept apart from ``mlxq.cli`` so it imports nothing of it (``cli`` registers these).
+Kept apart from ``mlxq.cli.main`` so it imports nothing of it (``cli`` registers these).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from collections.abc import Sequence
 import click
 import redis
 
-from mlxq import fleet, keys
-from mlxq.cli_support import connect, describe_url, fail, redacted, redis_option
-from mlxq.types import WorkerInfo, json_encoder
+from mlxq.broker import fleet, keys
+from mlxq.cli.support import connect, describe_url, fail, redacted, redis_option
+from mlxq.wire import WorkerInfo, json_encoder
 
 
 # -- formatting ------------------------------------------------------------------------

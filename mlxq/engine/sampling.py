@@ -20,8 +20,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler
 
-from mlxq.prefix_cache import Plan
-from mlxq.types import FinishReason, Request, TokenLogprob, TopLogprob
+from mlxq.engine.prefix_cache import Plan
+from mlxq.wire import FinishReason, Request, TokenLogprob, TopLogprob
 
 Sampler = Callable[[mx.array], mx.array]
 Filter = Callable[[mx.array], mx.array]

@@ -13,17 +13,17 @@ from typing import Any, TextIO
 import click
 import redis
 
-from mlxq import fleet, keys
-from mlxq import queue as q
-from mlxq.cli_fleet import print_queue_overview
-from mlxq.cli_support import connect, fail, redis_option
-from mlxq.formats import ENDPOINTS, is_error, to_openai_line
-from mlxq.types import BatchStatus, Result, json_encoder
+from mlxq.broker import batches as q
+from mlxq.broker import fleet, keys
+from mlxq.cli.fleet import print_queue_overview
+from mlxq.cli.support import connect, fail, redis_option
+from mlxq.formats.openai_output import ENDPOINTS, is_error, to_openai_line
+from mlxq.wire import BatchStatus, Result, json_encoder
 
 
 # -- submit ------------------------------------------------------------------------------
 def read_file(path: str, skip_invalid: bool):  # -> ParsedInput
-    from mlxq.inputs import InputFileError, read_requests
+    from mlxq.formats.inputs import InputFileError, read_requests
 
     try:
         parsed = read_requests(path, skip_invalid=skip_invalid)
@@ -371,7 +371,7 @@ def retry(target: str, as_json: bool, redis_url: str) -> None:
 @redis_option
 def tail(job_id: str, as_json: bool, redis_url: str) -> None:
     """Follow a `stream: true` job's output as it is generated, until it ends."""
-    from mlxq import streams
+    from mlxq.broker import streams
 
     conn = connect(redis_url)
     if not conn.exists(f"rq:job:{job_id}") and not conn.exists(keys.stream(job_id)):

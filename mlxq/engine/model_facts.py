@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlxq.types import ModelInfo
+from mlxq.wire import ModelInfo
 
 # Used when a model's config does not say how long its context is.
 DEFAULT_CONTEXT_LENGTH = 32768

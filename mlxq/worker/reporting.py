@@ -9,11 +9,11 @@ import time
 
 import redis
 
-from mlxq import fleet
-from mlxq.hardware import DeviceFacts
-from mlxq.metrics import WorkerMetrics
-from mlxq.scheduler import Scheduler
-from mlxq.types import Result, WorkerInfo
+from mlxq.broker import fleet
+from mlxq.engine.hardware import DeviceFacts
+from mlxq.engine.scheduler import Scheduler
+from mlxq.wire import Result, WorkerInfo
+from mlxq.worker.metrics import WorkerMetrics
 
 
 class Reporter:

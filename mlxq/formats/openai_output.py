@@ -37,8 +37,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mlxq.openai_batch import CHAT_URL, COMPLETIONS_URL
-from mlxq.types import Result, TokenLogprob
+from mlxq.formats.openai_input import CHAT_URL, COMPLETIONS_URL
+from mlxq.wire import Result, TokenLogprob
 
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
 

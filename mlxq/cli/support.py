@@ -9,8 +9,8 @@ from typing import NoReturn
 import click
 import redis
 
-from mlxq import keys
-from mlxq import queue as q
+from mlxq.broker import batches as q
+from mlxq.broker import keys
 
 DEFAULT_LOCAL_URL = "redis://127.0.0.1:6379/0"
 

@@ -17,9 +17,9 @@ from rq.job_lifecycle import record_job_failure
 from rq.queue import Queue
 from rq.utils import current_timestamp, parse_composite_key
 
-from mlxq import keys
+from mlxq.broker import keys
 
-log = logging.getLogger("mlxq.recovery")
+log = logging.getLogger("mlxq.broker.recovery")
 
 MAX_ABANDONS = 3
 

@@ -18,9 +18,9 @@ import redis
 from rq import Queue, Retry
 from rq.job import Job
 
-from mlxq import keys
-from mlxq.serializer import serializer
-from mlxq.types import BatchInfo, BatchStatus, JobMeta, Request, Result, json_encoder
+from mlxq.broker import keys
+from mlxq.broker.serializer import serializer
+from mlxq.wire import BatchInfo, BatchStatus, JobMeta, Request, Result, json_encoder
 
 CHUNK = 1000
 

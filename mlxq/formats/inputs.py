@@ -2,11 +2,11 @@
 
 Each non-blank line is one of two forms, mixed freely:
 
-* mlxq's own: exactly a :class:`~mlxq.types.Request` (``prompt`` text or token ids, or chat
+* mlxq's own: exactly a :class:`~mlxq.wire.Request` (``prompt`` text or token ids, or chat
   ``messages``, plus sampling fields). A line without ``custom_id`` gets ``line-<N>``.
 * An OpenAI Batch API line ``{"custom_id", "method": "POST", "url", "body"}`` for
   ``/v1/chat/completions`` or ``/v1/completions``, so existing batch files run unchanged
-  (see :func:`mlxq.openai_batch.request_from_openai`).
+  (see :func:`mlxq.formats.openai_input.request_from_openai`).
 
 Every bad line becomes a :class:`LineError` with its 1-based line number and a message
 that names the field, says what is wrong and how to fix it. :func:`read_requests` reads a
@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 
 import msgspec
 
-from mlxq.input_errors import (
+from mlxq.formats.input_errors import (
     InvalidLine,
     LineError,
     decode_json,
@@ -35,8 +35,8 @@ from mlxq.input_errors import (
     json_kind,
     show,
 )
-from mlxq.openai_batch import CHAT_URL, COMPLETIONS_URL, is_openai_line, request_from_openai
-from mlxq.types import Request, request_decoder
+from mlxq.formats.openai_input import CHAT_URL, COMPLETIONS_URL, is_openai_line, request_from_openai
+from mlxq.wire import Request, request_decoder
 
 __all__ = [
     "CHAT_URL",

@@ -48,9 +48,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlxq.types import ModelInfo
+from mlxq.wire import ModelInfo
 
-log = logging.getLogger("mlxq.engine")
+log = logging.getLogger("mlxq.engine.mlx_lm_batch")
 Block = tuple[int, ...]
 DEFAULT_BLOCK = 64
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from mlxq.types import MAX_LOGPROBS, MAX_TOKENS_LIMIT
+from mlxq.wire import MAX_LOGPROBS, MAX_TOKENS_LIMIT
 
 __all__ = [
     "InvalidLine",

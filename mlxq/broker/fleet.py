@@ -21,8 +21,8 @@ from rq.queue import Queue
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.utils import utcparse
 
-from mlxq import keys
-from mlxq.types import QueueInfo, WorkerInfo, json_encoder
+from mlxq.broker import keys
+from mlxq.wire import QueueInfo, WorkerInfo, json_encoder
 
 # How many jobs at the head of a queue are looked at to find its oldest one: jobs are
 # appended, so the head is the oldest unless some were put back at the front.

@@ -14,8 +14,8 @@ from rq.queue import Queue
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
-from mlxq import keys
-from mlxq.types import Request
+from mlxq.broker import keys
+from mlxq.wire import Request
 
 
 class JobRejected(Exception):

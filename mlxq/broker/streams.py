@@ -14,9 +14,9 @@ from typing import Any
 import msgspec
 import redis
 
-from mlxq import keys
-from mlxq.sampling import Completion, StreamChunk
-from mlxq.types import StreamEntry, json_encoder
+from mlxq.broker import keys
+from mlxq.engine.sampling import Completion, StreamChunk
+from mlxq.wire import StreamEntry, json_encoder
 
 STREAM_TTL = 24 * 3600  # streams are for watching live; results keep the output for days
 _entry = msgspec.json.Decoder(StreamEntry)

@@ -14,13 +14,13 @@ from typing import Any
 
 import click
 
-from mlxq import keys
-from mlxq import queue as q
 from mlxq.api import api_command
-from mlxq.cli_batches import BATCH_COMMANDS, emit_results, progress_bar, read_file
-from mlxq.cli_fleet import workers
-from mlxq.cli_support import connect, fail, redis_option
-from mlxq.types import Result, json_encoder
+from mlxq.broker import batches as q
+from mlxq.broker import keys
+from mlxq.cli.batches import BATCH_COMMANDS, emit_results, progress_bar, read_file
+from mlxq.cli.fleet import workers
+from mlxq.cli.support import connect, fail, redis_option
+from mlxq.wire import Result, json_encoder
 
 MODEL_COMMANDS = {"worker", "run", "make-model"}
 
@@ -110,7 +110,7 @@ def _worker_options(f: Callable) -> Callable:
 
 
 def _profile(profile: str | None, **overrides: Any):  # -> WorkerProfile
-    from mlxq.profile import ProfileError, WorkerProfile, load_profile, merge
+    from mlxq.worker.profile import ProfileError, WorkerProfile, load_profile, merge
 
     try:
         base = load_profile(profile) if profile else WorkerProfile()
@@ -149,7 +149,7 @@ def worker(
     **settings: Any,
 ) -> None:
     """Load a model once and serve generation jobs from Redis queues, continuously batched."""
-    from mlxq.launch import run_worker
+    from mlxq.worker.launch import run_worker
 
     _setup_logging(log_level, log_format)
     prof = _profile(profile, queues=list(queues), **settings)
@@ -191,8 +191,8 @@ def run(
     With no --redis-url (or MLXQ_REDIS_URL) it starts an embedded Valkey, submits the
     batch, serves it with an in-process worker, writes OUTPUT and stops the server.
     """
-    from mlxq.launch import run_worker
     from mlxq.server import embedded
+    from mlxq.worker.launch import run_worker
 
     # A progress bar shows the run; per-job log lines would drown it.
     log_level = "WARNING" if log_level.upper() == "INFO" else log_level
@@ -311,7 +311,7 @@ def server(port: int, host: str, data_dir: Path, no_persist: bool, password: str
 @click.option("--json", "as_json", is_flag=True, help="Print the path and shape as JSON.")
 def make_model_cmd(dest: Path, preset: str, seed: int, as_json: bool) -> None:
     """Write a random-weight model that mlx_lm.load reads (offline tests and benchmarks)."""
-    from mlxq.make_model import PRESETS, make_model
+    from mlxq.engine.make_model import PRESETS, make_model
 
     if preset not in PRESETS:
         fail(f"unknown preset {preset!r}; choose one of {', '.join(sorted(PRESETS))}")
@@ -333,7 +333,7 @@ def main() -> None:
     """Console entry point: speeds up Linux CPU MLX with OpenBLAS for model commands."""
     runs_mlx = len(sys.argv) > 1 and sys.argv[1] in MODEL_COMMANDS
     if runs_mlx:
-        from mlxq.blas import reexec_with_openblas
+        from mlxq.engine.blas import reexec_with_openblas
 
         reexec_with_openblas()
     try:

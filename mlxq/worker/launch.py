@@ -9,14 +9,12 @@ from typing import Any
 import mlx_lm
 import redis
 
-from mlxq import keys
-from mlxq.engine import Engine
-from mlxq.hardware import DeviceFacts
-from mlxq.model_facts import model_info
-from mlxq.profile import WorkerProfile
-from mlxq.reporting import Reporter
-from mlxq.runner import Runner
-from mlxq.scheduler import (
+from mlxq.broker import keys
+from mlxq.engine.hardware import DeviceFacts
+from mlxq.engine.mlx_lm_batch import Engine
+from mlxq.engine.model_facts import model_info
+from mlxq.engine.runner import Runner
+from mlxq.engine.scheduler import (
     DEFAULT_PREFILL_BATCH,
     MAX_AUTO_BATCH,
     PREFILL_TOKENS,
@@ -25,8 +23,10 @@ from mlxq.scheduler import (
     memory_budget,
     split_budget,
 )
-from mlxq.types import Result
-from mlxq.worker import MlxqWorker
+from mlxq.wire import Result
+from mlxq.worker.profile import WorkerProfile
+from mlxq.worker.reporting import Reporter
+from mlxq.worker.rq_worker import MlxqWorker
 
 log = logging.getLogger("mlxq.worker")
 
@@ -155,7 +155,7 @@ def run_worker(
 def _reporter(worker: MlxqWorker, profile: WorkerProfile, runner: Runner) -> Reporter:
     metrics = None
     if profile.metrics_port is not None:
-        from mlxq.metrics import WorkerMetrics
+        from mlxq.worker.metrics import WorkerMetrics
 
         metrics = WorkerMetrics()
         metrics.serve(profile.metrics_port)

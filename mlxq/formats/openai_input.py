@@ -1,9 +1,9 @@
 """OpenAI Batch API input lines, mapped onto mlxq requests.
 
 A line ``{"custom_id", "method": "POST", "url", "body"}`` for ``/v1/chat/completions`` or
-``/v1/completions`` becomes a :class:`~mlxq.types.Request` (see
+``/v1/completions`` becomes a :class:`~mlxq.wire.Request` (see
 :func:`request_from_openai`), so existing batch files run unchanged. Anything mlxq cannot
-honour is refused with an :class:`~mlxq.input_errors.InvalidLine` rather than ignored.
+honour is refused with an :class:`~mlxq.formats.input_errors.InvalidLine` rather than ignored.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
-from mlxq.input_errors import InvalidLine, explain, fields_named, show
-from mlxq.types import Request
+from mlxq.formats.input_errors import InvalidLine, explain, fields_named, show
+from mlxq.wire import Request
 
 __all__ = ["CHAT_URL", "COMPLETIONS_URL", "is_openai_line", "request_from_openai"]
 

@@ -20,15 +20,15 @@ from rq.queue import Queue
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
-from mlxq import fleet, keys, streams
-from mlxq.engine import Completion, EngineJob, JobInputError
-from mlxq.intake import JobRejected, decode_job, dequeue_many, register
-from mlxq.outcomes import InFlight, build_result, still_held, unrun_result, write_results
-from mlxq.recovery import requeue_abandoned
-from mlxq.reporting import Reporter
-from mlxq.runner import Runner, Work
-from mlxq.serializer import serializer
-from mlxq.types import JobMeta, Request, Result
+from mlxq.broker import fleet, keys, streams
+from mlxq.broker.intake import JobRejected, decode_job, dequeue_many, register
+from mlxq.broker.recovery import requeue_abandoned
+from mlxq.broker.serializer import serializer
+from mlxq.engine.mlx_lm_batch import Completion, EngineJob, JobInputError
+from mlxq.engine.runner import Runner, Work
+from mlxq.wire import JobMeta, Request, Result
+from mlxq.worker.outcomes import InFlight, build_result, still_held, unrun_result, write_results
+from mlxq.worker.reporting import Reporter
 
 log = logging.getLogger("mlxq.worker")
 

@@ -7,7 +7,7 @@ tokens end a job (and are not part of its output). A job that cannot run fails a
 and an error inside the model fails the jobs in the batch but not the engine.
 
 With ``prefix_cache_bytes``, jobs start from the stored KV cache of a recurring prompt
-prefix and prefill only the rest (:mod:`mlxq.prefix_cache`): ``add`` then queues a job,
+prefix and prefill only the rest (:mod:`mlxq.engine.prefix_cache`): ``add`` then queues a job,
 and the next ``step`` plans its reuse, once a burst of jobs has been counted.
 """
 
@@ -24,10 +24,9 @@ import mlx_lm
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
-from mlxq.engine_stats import EngineStats, with_counters
-from mlxq.model_facts import model_info
-from mlxq.prefix_cache import Plan, make_prefix_cache
-from mlxq.sampling import (
+from mlxq.engine.model_facts import model_info
+from mlxq.engine.prefix_cache import Plan, make_prefix_cache
+from mlxq.engine.sampling import (
     Completion,
     EngineJob,
     RunningJob,
@@ -35,7 +34,8 @@ from mlxq.sampling import (
     make_job_sampler,
     token_logprobs,
 )
-from mlxq.types import FinishReason, Request, TokenLogprob
+from mlxq.engine.stats import EngineStats, with_counters
+from mlxq.wire import FinishReason, Request, TokenLogprob
 
 # Used when a model's config does not say how long its context is.
 WARMUP_KEY = "__mlxq_warmup__"
@@ -69,7 +69,7 @@ class Engine:
         """Load ``model`` (a local folder or hub id) with ``mlx_lm.load``.
 
         ``prefix_cache_bytes`` > 0 keeps the KV cache of recurring prompt prefixes, up to
-        that many bytes, and starts later jobs from it (see :mod:`mlxq.prefix_cache`).
+        that many bytes, and starts later jobs from it (see :mod:`mlxq.engine.prefix_cache`).
         """
         loaded, tokenizer = mlx_lm.load(model, adapter_path=adapter_path)
         sizes = {"max_batch": max_batch, "prefill_batch": prefill_batch}

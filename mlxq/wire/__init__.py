@@ -1,0 +1,49 @@
+"""Wire types: every structure that crosses Redis or a file, as msgspec Structs.
+
+Everything mlxq writes is JSON encoded from these types, so any language can read it.
+Constraints live in the types (``Meta``), so a bad value fails at decode time with the
+field's name in the error.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from mlxq.wire.records import BatchInfo, BatchStatus, JobMeta, ModelInfo, QueueInfo, WorkerInfo
+from mlxq.wire.request import MAX_LOGPROBS, MAX_TOKENS_LIMIT, Message, Request, request_decoder
+from mlxq.wire.result import (
+    FinishReason,
+    Result,
+    StreamEntry,
+    Timing,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    result_decoder,
+)
+
+# One shared encoder: building it once is much faster than per call.
+json_encoder = msgspec.json.Encoder()
+
+__all__ = [
+    "MAX_LOGPROBS",
+    "MAX_TOKENS_LIMIT",
+    "BatchInfo",
+    "BatchStatus",
+    "FinishReason",
+    "JobMeta",
+    "Message",
+    "ModelInfo",
+    "QueueInfo",
+    "Request",
+    "Result",
+    "StreamEntry",
+    "Timing",
+    "TokenLogprob",
+    "TopLogprob",
+    "Usage",
+    "WorkerInfo",
+    "json_encoder",
+    "request_decoder",
+    "result_decoder",
+]

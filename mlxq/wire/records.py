@@ -1,0 +1,105 @@
+"""Records mlxq keeps in Redis beside RQ's jobs: job meta, batches, workers, queues, models."""
+
+from __future__ import annotations
+
+from msgspec import Struct
+
+
+class JobMeta(Struct, omit_defaults=True):
+    """What mlxq keeps in an RQ job's ``meta``: where the job belongs."""
+
+    batch_id: str | None = None
+    index: int | None = None
+    custom_id: str | None = None
+    expires_at: float | None = None  # Unix time after which the request is not run
+
+
+class BatchInfo(Struct):
+    """A submitted batch: its jobs are listed, in input order, under ``keys.batch_jobs``."""
+
+    batch_id: str
+    queue: str
+    total: int
+    created_at: float
+    source: str | None = None
+    model: str | None = None
+    expires_at: float | None = None
+
+
+class BatchStatus(Struct):
+    """Counts of a batch's jobs by state."""
+
+    batch_id: str
+    total: int
+    queued: int
+    started: int
+    finished: int
+    failed: int
+    cancelled: int = 0
+    other: int = 0
+
+    @property
+    def done(self) -> int:
+        """Jobs that will not change any more."""
+        return self.finished + self.failed + self.cancelled
+
+
+class ModelInfo(Struct):
+    """Facts about a loaded model that scheduling and logs need (no MLX types)."""
+
+    name: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    context_length: int
+    kv_bytes_per_token: int
+    param_bytes: int
+    dtype: str
+
+
+class WorkerInfo(Struct):
+    """What a live worker publishes about itself (``keys.worker_info``), refreshed with
+    its heartbeat and expiring when the worker dies."""
+
+    name: str
+    host: str
+    pid: int
+    model: str
+    queues: list[str]
+    backend: str  # metal, cuda or cpu
+    device: str
+    memory_bytes: int
+    max_batch: int
+    kv_budget_bytes: int
+    kv_reserved_bytes: int
+    in_flight: int
+    jobs_done: int
+    jobs_failed: int
+    tokens_generated: int
+    recent_tps: float  # generated tokens/s over the last minute or so
+    started_at: float
+    heartbeat_at: float
+    adapter_path: str | None = None
+
+
+class QueueInfo(Struct):
+    """One RQ queue at a glance (``mlxq status`` without a batch id).
+
+    ``queued`` is the queue's length; ``started``, ``finished`` and ``failed`` are the
+    sizes of RQ's registries for it (``started`` counts executions, one per running job).
+    ``oldest_enqueued_at`` (Unix seconds) and ``oldest_age_s`` describe the longest-waiting
+    queued job, or are None when the queue is empty. ``workers`` is how many live mlxq
+    workers serve the queue.
+    """
+
+    name: str
+    queued: int
+    started: int
+    finished: int
+    failed: int
+    oldest_enqueued_at: float | None
+    oldest_age_s: float | None
+    workers: int = 0
