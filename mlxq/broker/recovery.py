@@ -13,11 +13,11 @@ import logging
 
 import redis
 from rq.job import Job
-from rq.job_lifecycle import record_job_failure
 from rq.queue import Queue
 from rq.utils import current_timestamp, parse_composite_key
 
-from mlxq.broker import keys
+from mlxq.broker import keys, rq_store
+from mlxq.wire import Result
 
 log = logging.getLogger("mlxq.broker.recovery")
 
@@ -46,7 +46,7 @@ def _requeue_one(
     queue: Queue, registry_key: str, member: str, job_id: str, execution_id: str, limit: int
 ) -> bool:
     conn = queue.connection
-    job_key = Job.key_for(job_id)
+    job_key = rq_store.job_key(job_id)
     with conn.pipeline() as pipe:
         try:
             pipe.watch(job_key, registry_key)
@@ -57,14 +57,15 @@ def _requeue_one(
                 pipe.execute()
                 return False
             tries = int(pipe.get(abandons_key(job_id)) or 0) + 1
+            failed = _failure(queue, job_id, tries) if tries > limit else None
+            batch_id = rq_store.batch_id_of(pipe, job_id)
             pipe.multi()
-            _drop_execution(pipe, registry_key, member, job_id, execution_id)
+            rq_store.drop_execution(pipe, registry_key, member, job_id, execution_id)
             pipe.set(abandons_key(job_id), tries, ex=keys.BATCH_TTL)
-            if tries > limit:
-                _fail(queue, job_id, tries, pipe)
+            if failed is not None:
+                rq_store.end_job(pipe, failed[0], queue, failed[1])
             else:
-                pipe.hset(job_key, "status", "queued")
-                pipe.lpush(queue.key, job_id)
+                rq_store.requeue_abandoned_one(pipe, queue, job_id, batch_id)
             pipe.execute()
         except redis.WatchError:
             return False  # someone else (the worker itself, or another sweeper) got there first
@@ -77,16 +78,11 @@ def _requeue_one(
     return True
 
 
-def _drop_execution(pipe, registry_key: str, member: str, job_id: str, execution_id: str) -> None:
-    pipe.zrem(registry_key, member)
-    pipe.delete(f"rq:execution:{job_id}:{execution_id}")
-    pipe.zrem(f"rq:executions:{job_id}", execution_id)
-
-
-def _fail(queue: Queue, job_id: str, tries: int, pipe) -> None:
+def _failure(queue: Queue, job_id: str, tries: int) -> tuple[Job, Result]:
+    """The job and the error result it ends with after too many abandons."""
     job = Job.fetch(job_id, connection=queue.connection, serializer=queue.serializer)
     message = (
         f"abandoned {tries} times by workers that died while running it (killed, crashed or "
         "out of memory); not retried again. Check the workers' logs and the request's size"
     )
-    record_job_failure(job, message, pipe)
+    return job, rq_store.result_without_output(job, "error", message, worker=job.worker_name)

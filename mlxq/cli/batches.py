@@ -14,7 +14,7 @@ import click
 import redis
 
 from mlxq.broker import batches as q
-from mlxq.broker import fleet, keys
+from mlxq.broker import fleet, keys, rq_store
 from mlxq.cli.fleet import print_queue_overview
 from mlxq.cli.support import connect, fail, redis_option
 from mlxq.formats.openai_output import ENDPOINTS, is_error, to_openai_line
@@ -70,6 +70,12 @@ def read_file(path: str, skip_invalid: bool):  # -> ParsedInput
     help="Seconds after which requests that have not started are not run "
     "(their results say 'expired').",
 )
+@click.option(
+    "--resume",
+    metavar="BATCH",
+    help="Enqueue the rest of a batch whose submit was interrupted (same FILE; the batch "
+    "keeps its own queue and settings).",
+)
 @click.option("--wait", is_flag=True, help="Wait for the batch, with a progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the batch record as JSON.")
 @click.option(
@@ -89,35 +95,40 @@ def submit(
     job_timeout: int,
     result_ttl: int,
     expires_in: float | None,
+    resume: str | None,
     wait: bool,
     as_json: bool,
     output: str | None,
     timeout: float | None,
     redis_url: str,
 ) -> None:
-    """Enqueue every request of a JSONL FILE as one batch; prints the batch id last.
+    """Enqueue every request of a JSONL FILE as one batch; prints the batch id first (on
+    stderr, before enqueueing) and last.
 
     Lines are mlxq requests ({"prompt"|"messages", "max_tokens", ...}) or OpenAI Batch API
     lines ({"custom_id", "method", "url", "body"}). Any invalid line refuses the whole file
-    (nothing is enqueued) unless --skip-invalid.
+    (nothing is enqueued) unless --skip-invalid. A submit cut short leaves its batch
+    `submitting`: finish it with --resume BATCH, or remove it with `mlxq cancel BATCH`.
     """
     if output and not wait:
         fail("-o/--output needs --wait (or collect later with `mlxq results BATCH -o FILE`)")
+    if resume:
+        _refuse_settings_with_resume(click.get_current_context())
     parsed = read_file(file, skip_invalid)
-    conn = connect(redis_url)
-    queue_name = queue_name or keys.queue_name_for_model(model)
-    with progress_bar(len(parsed.requests), "enqueueing") as bar:
-        info = q.submit(
+    conn = connect(redis_url, writes_jobs=True)
+    if resume:
+        info = _resume(conn, resume, parsed.requests)
+    else:
+        info = _submit_new(
             conn,
+            file,
             parsed.requests,
-            queue=queue_name,
+            queue=queue_name or keys.queue_name_for_model(model),
             retries=retries,
             job_timeout=job_timeout,
             result_ttl=result_ttl,
             expires_in=expires_in,
-            source=file,
             model=model,
-            on_progress=bar.update,
         )
     if as_json:
         click.echo(json_encoder.encode(info).decode())
@@ -127,6 +138,49 @@ def submit(
         )
     if wait:
         _wait_and_write(conn, info.batch_id, output, timeout)
+
+
+_BATCH_SETTINGS = ("queue_name", "model", "retries", "job_timeout", "result_ttl", "expires_in")
+
+
+def _refuse_settings_with_resume(ctx: click.Context) -> None:
+    given = [
+        f"--{name.replace('_name', '').replace('_', '-')}"
+        for name in _BATCH_SETTINGS
+        if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
+    ]
+    if given:
+        fail(f"--resume keeps the batch's own settings; drop {', '.join(given)}")
+
+
+def _submit_new(conn: redis.Redis, file: str, requests: list, **settings: Any):  # -> BatchInfo
+    def created(info: Any) -> None:
+        click.echo(
+            f"batch {info.batch_id}: enqueueing {info.total} requests to queue {info.queue!r} "
+            f"(if this stops, finish with `mlxq submit {file} --resume {info.batch_id}`)",
+            err=True,
+        )
+
+    with progress_bar(len(requests), "enqueueing") as bar:
+        try:
+            return q.submit(
+                conn, requests, source=file, on_progress=bar.update, on_created=created, **settings
+            )
+        except q.BatchCancelled as e:
+            fail(f"{e}; its enqueued requests were cancelled")
+
+
+def _resume(conn: redis.Redis, batch_id: str, requests: list):  # -> BatchInfo
+    with progress_bar(len(requests), f"resuming {batch_id}") as bar:
+        try:
+            info, already = q.resume(conn, batch_id, requests, on_progress=bar.update)
+        except (q.BatchNotFound, q.ResumeRefused, q.BatchCancelled) as e:
+            fail(str(e))
+    click.echo(
+        f"batch {batch_id}: {already} requests were enqueued before, {info.total - already} now",
+        err=True,
+    )
+    return info
 
 
 # -- results and status ------------------------------------------------------------------
@@ -323,17 +377,37 @@ def status(batch_id: str | None, as_json: bool, redis_url: str) -> None:
         f"batch {batch_id}: {s.done}/{s.total} done — {s.queued} queued, {s.started} "
         f"running, {s.finished} finished, {s.failed} failed, {s.cancelled} cancelled"
     )
+    if s.state != "submitted":
+        click.echo(_incomplete(s, q.get_batch(conn, batch_id).source))
+
+
+def _incomplete(s: BatchStatus, source: str | None) -> str:
+    """What to say of a batch not fully enqueued."""
+    head = f"batch {s.batch_id}: only {s.enqueued} of {s.total} requests were enqueued"
+    if s.state == "cancelled":
+        return f"{head}; it was cancelled while being submitted"
+    if s.submitter_alive:
+        return f"batch {s.batch_id}: still being submitted ({s.enqueued} of {s.total} enqueued)"
+    return (
+        f"{head}: its submit stopped; finish it with `mlxq submit {source or 'FILE'} "
+        f"--resume {s.batch_id}`, or remove it with `mlxq cancel {s.batch_id}`"
+    )
+
+
+def _is_batch(conn: redis.Redis, target: str) -> bool:
+    """Whether ``target`` is a batch id (else a job id), or exit saying it is neither."""
+    try:
+        q.get_batch(conn, target)
+        return True
+    except q.BatchNotFound:
+        if rq_store.job_exists(conn, target):
+            return False
+    fail(f"no batch or job {target!r} on this Redis (check the id and --redis-url)")
 
 
 def _job_ids(conn: redis.Redis, target: str) -> list[str]:
     """The job ids of a batch, or the one job id given."""
-    try:
-        return q.batch_job_ids(conn, q.get_batch(conn, target).batch_id)
-    except q.BatchNotFound:
-        if conn.exists(f"rq:job:{target}"):
-            return [target]
-    fail(f"no batch or job {target!r} on this Redis (check the id and --redis-url)")
-    return []
+    return q.batch_job_ids(conn, target) if _is_batch(conn, target) else [target]
 
 
 @click.command()
@@ -344,7 +418,10 @@ def cancel(target: str, as_json: bool, redis_url: str) -> None:
     """Cancel a batch or one job: queued jobs are removed, running ones stop at the next
     step (their results say cancelled). Finished jobs are left alone."""
     conn = connect(redis_url)
-    dequeued, flagged = q.cancel_jobs(conn, _job_ids(conn, target))
+    if _is_batch(conn, target):
+        dequeued, flagged = q.cancel_batch(conn, target)
+    else:
+        dequeued, flagged = q.cancel_jobs(conn, [target])
     if as_json:
         click.echo(json_encoder.encode({"removed": dequeued, "stopping": flagged}).decode())
     else:
@@ -374,7 +451,7 @@ def tail(job_id: str, as_json: bool, redis_url: str) -> None:
     from mlxq.broker import streams
 
     conn = connect(redis_url)
-    if not conn.exists(f"rq:job:{job_id}") and not conn.exists(keys.stream(job_id)):
+    if not rq_store.job_exists(conn, job_id) and not conn.exists(keys.stream(job_id)):
         fail(f"no job {job_id!r} on this Redis (check the id and --redis-url)")
     reason = None
     for entry in streams.follow(conn, job_id):

@@ -153,7 +153,7 @@ def worker(
 
     _setup_logging(log_level, log_format)
     prof = _profile(profile, queues=list(queues), **settings)
-    conn = connect(redis_url)
+    conn = connect(redis_url, writes_jobs=True)
     run_worker(prof, conn, burst=burst, log_level=log_level)
 
 
@@ -201,7 +201,7 @@ def run(
     parsed = read_file(file, skip_invalid)
     server = contextlib.nullcontext(redis_url) if redis_url else embedded()
     with server as url:
-        conn = connect(url)
+        conn = connect(url, writes_jobs=True)
         batch_id = q.new_batch_id()
         queue_name = f"run-{batch_id}"  # private: this run's worker drains exactly this batch
         q.submit(
@@ -275,9 +275,9 @@ def run(
 )
 def server(port: int, host: str, data_dir: Path, no_persist: bool, password: str | None) -> None:
     """Run a persistent embedded Valkey server for local workers and submitters."""
-    from mlxq.server import make_server
+    from mlxq.server import is_loopback, make_server
 
-    if host not in ("127.0.0.1", "localhost", "::1") and not password:
+    if not is_loopback(host) and not password:
         fail(
             f"refusing to listen on {host} without --password: anyone on the network "
             "could read and write your queues"

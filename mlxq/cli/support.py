@@ -54,8 +54,32 @@ def redacted(text: str, url: str) -> str:
     return text.replace(password, "***") if password else text
 
 
-def connect(url: str) -> redis.Redis:
-    """A client for ``url`` that has answered a PING, or exit 1 saying why not."""
+def require_noeviction(conn: redis.Redis, url: str) -> None:
+    """Exit 1, saying how to fix it, if this Redis may evict mlxq's keys when full."""
+    from mlxq.broker.eviction import eviction_problem, maxmemory_policy
+
+    policy = maxmemory_policy(conn)
+    if policy is None:
+        click.echo(
+            f"mlxq: warning: cannot read maxmemory-policy of Redis at {describe_url(url)}; "
+            "make sure it is noeviction, or jobs and results may be evicted when it is full",
+            err=True,
+        )
+        return
+    try:
+        parts = redis.connection.parse_url(url)
+    except ValueError:
+        parts = {}
+    problem = eviction_problem(policy, parts.get("host", "HOST"), parts.get("port", 6379))
+    if problem:
+        fail(f"{problem} (Redis at {describe_url(url)})")
+
+
+def connect(url: str, *, writes_jobs: bool = False) -> redis.Redis:
+    """A client for ``url`` that has answered a PING, or exit 1 saying why not.
+
+    ``writes_jobs``: also refuse a Redis that may evict keys (workers, submit, the API).
+    """
     where = describe_url(url)
     try:
         conn = q.connect(url)
@@ -70,4 +94,6 @@ def connect(url: str) -> redis.Redis:
             f"cannot reach Redis at {where} ({redacted(str(e), url)}); start one "
             f"with `mlxq server`, or set --redis-url / {keys.ENV_REDIS_URL}"
         )
+    if writes_jobs:
+        require_noeviction(conn, url)
     return conn

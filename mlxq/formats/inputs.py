@@ -315,7 +315,6 @@ _MLXQ_UNKNOWN_HINTS = {
     "max_completion_tokens": "use `max_tokens`",
     "top_logprobs": "use `logprobs` (the number of top alternatives per token)",
     "n": "write one line per completion",
-    "stream": "streaming is not supported",
     "frequency_penalty": "not supported; use `repetition_penalty`",
     "presence_penalty": "not supported; use `repetition_penalty`",
     "id": "use `custom_id`",

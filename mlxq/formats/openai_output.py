@@ -91,7 +91,7 @@ def to_openai_line(
     make_body = _BODIES.get(endpoint.rstrip("/"))
     if make_body is None:
         raise ValueError(f"unsupported endpoint {endpoint!r}; use one of {', '.join(ENDPOINTS)}")
-    line_id = "batch_req_" + _hex(result.job_id)
+    line_id = request_line_id(result.job_id)
     if is_error(result):
         return error_line(line_id, result.custom_id, *_error(result, cancelled_code))
     response = {
@@ -228,6 +228,11 @@ def _created(result: Result) -> int:
     t = result.timing
     stamp = t.finished_at or t.first_token_at or t.started_at or t.enqueued_at
     return int(stamp if stamp is not None else time.time())
+
+
+def request_line_id(job_id: str) -> str:
+    """The ``id`` of a job's line in an OpenAI Batch output or error file."""
+    return "batch_req_" + _hex(job_id)
 
 
 def _hex(job_id: str) -> str:

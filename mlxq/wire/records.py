@@ -15,7 +15,14 @@ class JobMeta(Struct, omit_defaults=True):
 
 
 class BatchInfo(Struct):
-    """A submitted batch: its jobs are listed, in input order, under ``keys.batch_jobs``."""
+    """A batch: its jobs are listed, in input order, under ``keys.batch_jobs``.
+
+    The record is written first, ``state`` ``submitting``; it becomes ``submitted`` once all
+    ``total`` jobs are enqueued (a submit that died half way leaves it ``submitting``, to be
+    resumed or cancelled), or ``cancelled`` if cancelled before that. ``digest`` identifies
+    the requests, so a resume can refuse a different file; the job settings are kept so a
+    resume enqueues the rest exactly as the first part.
+    """
 
     batch_id: str
     queue: str
@@ -24,10 +31,20 @@ class BatchInfo(Struct):
     source: str | None = None
     model: str | None = None
     expires_at: float | None = None
+    state: str = "submitted"
+    digest: str | None = None
+    retries: int = 0
+    job_timeout: int | None = None
+    result_ttl: int | None = None
 
 
 class BatchStatus(Struct):
-    """Counts of a batch's jobs by state."""
+    """Counts of a batch's jobs by state.
+
+    ``failed`` includes the ``expired`` ones (requests whose batch expired before they
+    ran). ``enqueued`` is how many of ``total`` are in Redis: fewer while ``state`` is
+    ``submitting`` (``submitter_alive`` says whether a submit is still enqueueing them).
+    """
 
     batch_id: str
     total: int
@@ -37,6 +54,10 @@ class BatchStatus(Struct):
     failed: int
     cancelled: int = 0
     other: int = 0
+    expired: int = 0
+    state: str = "submitted"
+    enqueued: int | None = None
+    submitter_alive: bool = False
 
     @property
     def done(self) -> int:

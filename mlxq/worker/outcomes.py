@@ -13,23 +13,13 @@ from dataclasses import dataclass
 import msgspec
 import redis
 from rq.executions import Execution
-from rq.job import Job, JobStatus
+from rq.job import Job
 from rq.queue import Queue
-from rq.results import Result as RQResult
-from rq.utils import now
 from rq.worker import BaseWorker
 
+from mlxq.broker import rq_store
 from mlxq.engine.mlx_lm_batch import Completion
 from mlxq.wire import FinishReason, JobMeta, Request, Result, Timing, Usage
-
-# RQ status each finish reason leaves a job in (the result is stored either way).
-STATUS = {
-    "stop": JobStatus.FINISHED,
-    "length": JobStatus.FINISHED,
-    "cancelled": JobStatus.CANCELED,
-    "timeout": JobStatus.FAILED,
-    "expired": JobStatus.FAILED,
-}
 
 
 @dataclass
@@ -73,36 +63,7 @@ def write_results(worker: BaseWorker, done: list[tuple[InFlight, Result]]) -> li
 
 
 def _write(pipe, worker: BaseWorker, inf: InFlight, result: Result) -> None:
-    job = inf.job
-    job.ended_at = now()
-    job._result = msgspec.to_builtins(result)
-    status = STATUS[result.finish_reason]
-    ttl = job.get_result_ttl(worker.default_result_ttl)
-    job.set_status(status, pipeline=pipe)
-    job.save(pipeline=pipe, include_meta=False, include_result=False)
-    RQResult.create(
-        job,
-        RQResult.Type.SUCCESSFUL,
-        ttl,
-        return_value=job._result,
-        worker_name=worker.name,
-        pipeline=pipe,
-        execution_id=inf.execution.id,
-        execution_started_at=inf.execution.created_at,
-        execution_ended_at=job.ended_at,
-    )
-    if status == JobStatus.FINISHED:
-        job.finished_job_registry.add(job, ttl, pipe)
-        worker.increment_successful_job_count(pipeline=pipe)
-    elif status == JobStatus.CANCELED:
-        inf.queue.canceled_job_registry.add(job, ttl, pipe)
-    else:
-        job.failed_job_registry.add(job, ttl, exc_string=result.error or "", pipeline=pipe)
-        worker.increment_failed_job_count(pipeline=pipe)
-    if job.started_at:
-        worker.increment_total_working_time(job.ended_at - job.started_at, pipe)
-    job.cleanup(ttl, pipeline=pipe, remove_from_queue=False)
-    worker.cleanup_execution(job, pipeline=pipe, execution=inf.execution)
+    rq_store.end_job(pipe, inf.job, inf.queue, result, worker=worker, execution=inf.execution)
 
 
 def build_result(inf: InFlight, c: Completion, model: str, worker: str) -> Result:

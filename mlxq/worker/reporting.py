@@ -9,7 +9,7 @@ import time
 
 import redis
 
-from mlxq.broker import fleet
+from mlxq.broker import fleet, rq_store
 from mlxq.engine.hardware import DeviceFacts
 from mlxq.engine.scheduler import Scheduler
 from mlxq.wire import Result, WorkerInfo
@@ -67,7 +67,7 @@ class Reporter:
         self.metrics.set_memory(*memory)
         with conn.pipeline(transaction=False) as pipe:
             for q in self.queues:
-                pipe.llen(f"rq:queue:{q}")
+                pipe.llen(rq_store.queue_key(q))
             for q, depth in zip(self.queues, pipe.execute(), strict=True):
                 self.metrics.set_queue_depth(q, depth)
 

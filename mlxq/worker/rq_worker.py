@@ -15,12 +15,12 @@ from collections.abc import Callable
 
 import msgspec
 import redis
-from rq.job import Job, JobStatus
+from rq.job import Job
 from rq.queue import Queue
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
-from mlxq.broker import fleet, keys, streams
+from mlxq.broker import fleet, keys, rq_store, streams
 from mlxq.broker.intake import JobRejected, decode_job, dequeue_many, register
 from mlxq.broker.recovery import requeue_abandoned
 from mlxq.broker.serializer import serializer
@@ -189,7 +189,7 @@ class MlxqWorker(BaseWorker):
         """Wait up to ``timeout`` seconds for one job (RQ's blocking dequeue)."""
         try:
             return self.queue_class.dequeue_any(
-                self._ordered_queues,
+                rq_store.ordered_queues(self),
                 timeout,
                 connection=self.connection,
                 job_class=self.job_class,
@@ -210,7 +210,10 @@ class MlxqWorker(BaseWorker):
             try:
                 request, tokens = self._vet(job)
             except (JobRejected, JobInputError) as e:
-                self._fail(job, queue, execution, str(e), reason="rejected")
+                result = rq_store.result_without_output(
+                    job, "error", str(e), model=self.model_name, worker=self.name
+                )
+                self._fail(job, queue, execution, result, reason="rejected")
                 continue
             meta = msgspec.convert(job.meta or {}, JobMeta)
             inf = InFlight(job, queue, execution, request, meta, time.time())
@@ -252,7 +255,9 @@ class MlxqWorker(BaseWorker):
                 self.reporter.finished(result)
             if c.finish_reason == "error":
                 if still_held(self.connection, [inf])[0]:
-                    self._fail(inf.job, inf.queue, inf.execution, c.error or "generation failed")
+                    if result.error is None:
+                        result = msgspec.structs.replace(result, error="generation failed")
+                    self._fail(inf.job, inf.queue, inf.execution, result)
             else:
                 done.append((inf, result))
         for inf in write_results(self, done):
@@ -265,14 +270,16 @@ class MlxqWorker(BaseWorker):
         if not self.inflight and self.get_state() == WorkerStatus.BUSY:
             self.set_state(WorkerStatus.IDLE)
 
-    def _fail(self, job: Job, queue: Queue, execution, message: str, reason: str = "error") -> None:
-        """Fail one job through RQ (failed registry, retries); the others carry on."""
-        self.log.warning("Worker %s: job %s failed: %s", self.name, job.id, message)
+    def _fail(
+        self, job: Job, queue: Queue, execution, result: Result, reason: str = "error"
+    ) -> None:
+        """Fail one job (retried if it has retries left, else ended with its error result);
+        the others carry on."""
+        self.log.warning("Worker %s: job %s failed: %s", self.name, job.id, result.error)
         if self.reporter is not None:
             self.reporter.failed(reason)
         job.ended_at = now()
-        job._status = JobStatus.FAILED
-        self.handle_job_failure(job, queue, exc_string=message, execution=execution)
+        rq_store.fail_or_retry(self, job, queue, execution, result)
 
     # -- heartbeats, cancels and time limits ---------------------------------------------
     def _beat_if_due(self) -> None:
@@ -348,9 +355,7 @@ class MlxqWorker(BaseWorker):
             self.runner.cancel(key)
             try:
                 with self.connection.pipeline() as pipe:
-                    self.cleanup_execution(inf.job, pipeline=pipe, execution=inf.execution)
-                    inf.job.set_status(JobStatus.QUEUED, pipeline=pipe)
-                    pipe.lpush(inf.queue.key, inf.job.id)
+                    rq_store.put_back(pipe, self, inf.job, inf.queue, inf.execution)
                     pipe.execute()
                 self.log.info("Worker %s: put job %s back on %s", self.name, key, inf.queue.name)
             except redis.RedisError as e:

@@ -1,0 +1,212 @@
+"""Submitting a batch: the record first, then its jobs in chunks, resumable.
+
+The batch record is written before any job (state ``submitting``), so a submit that dies
+half way leaves a batch that ``mlxq status`` shows with how many were enqueued. Each chunk
+of jobs, their ids in the batch's list and their counters are one transaction, so the jobs
+enqueued are always the first N by index: ``resume`` enqueues from N on, none twice. A
+short-lived key (``keys.batch_submitter``), refreshed per chunk, tells a live submit from a
+dead one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+
+import msgspec
+import redis
+from rq import Queue, Retry
+
+from mlxq.broker import keys, rq_store
+from mlxq.broker.batches import CHUNK, _batch_info_decoder, get_batch, make_queue, new_batch_id
+from mlxq.wire import BatchInfo, JobMeta, Request, json_encoder
+
+
+class ResumeRefused(ValueError):
+    """A ``--resume`` that cannot go ahead (different file, already complete, cancelled)."""
+
+
+def submit(
+    conn: redis.Redis,
+    requests: Sequence[Request],
+    *,
+    queue: str = keys.DEFAULT_QUEUE,
+    batch_id: str | None = None,
+    retries: int = 0,
+    job_timeout: int = keys.DEFAULT_JOB_TIMEOUT,
+    result_ttl: int = keys.DEFAULT_RESULT_TTL,
+    source: str | None = None,
+    model: str | None = None,
+    expires_in: float | None = None,
+    on_progress: Callable[[int], None] | None = None,
+    on_created: Callable[[BatchInfo], None] | None = None,
+    on_jobs: Callable[[list[str]], None] | None = None,
+) -> BatchInfo:
+    """Enqueue ``requests`` as one batch of RQ jobs and return the batch record.
+
+    The record comes first (state ``submitting``; ``on_created`` is called with it), then
+    the jobs in chunks, each chunk in one transaction with its ids and counters, so a
+    submit cut short leaves a batch that ``resume`` completes or ``cancel_batch`` removes.
+    ``expires_in`` seconds after submit, requests that have not started are not run
+    (their results say ``expired``). ``on_jobs`` gets each chunk's job ids.
+    """
+    created = time.time()
+    info = BatchInfo(
+        batch_id=batch_id or new_batch_id(),
+        queue=queue,
+        total=len(requests),
+        created_at=created,
+        source=source,
+        model=model,
+        expires_at=created + expires_in if expires_in else None,
+        state="submitting",
+        digest=requests_digest(requests),
+        retries=retries,
+        job_timeout=job_timeout,
+        result_ttl=result_ttl,
+    )
+    with conn.pipeline() as pipe:
+        pipe.set(keys.batch_submitter(info.batch_id), _submitter(), ex=SUBMITTER_TTL)
+        pipe.set(keys.batch_info(info.batch_id), json_encoder.encode(info), ex=keys.BATCH_TTL)
+        pipe.zadd(keys.batches(), {info.batch_id: info.created_at})
+        pipe.execute()
+    if on_created:
+        on_created(info)
+    return _enqueue_rest(conn, info, requests, 0, on_progress, on_jobs)
+
+
+def resume(
+    conn: redis.Redis,
+    batch_id: str,
+    requests: Sequence[Request],
+    on_progress: Callable[[int], None] | None = None,
+) -> tuple[BatchInfo, int]:
+    """Enqueue what an interrupted submit of ``requests`` left out (by index, none twice);
+    returns the record and how many were already enqueued."""
+    info = get_batch(conn, batch_id)
+    if info.state == "cancelled":
+        raise ResumeRefused(f"batch {batch_id} was cancelled; submit the file as a new batch")
+    if info.digest is not None and (
+        len(requests) != info.total or requests_digest(requests) != info.digest
+    ):
+        raise ResumeRefused(
+            f"these {len(requests)} requests are not the ones batch {batch_id} was made from "
+            f"({info.total} requests from {info.source or 'another file'}); resume with the "
+            "same file (and the same --skip-invalid)"
+        )
+    if not conn.set(keys.batch_submitter(batch_id), _submitter(), ex=SUBMITTER_TTL, nx=True):
+        raise ResumeRefused(
+            f"batch {batch_id} is still being submitted by {_who(conn, batch_id)}; wait for it"
+        )
+    done = conn.llen(keys.batch_jobs(batch_id))
+    if on_progress and done:
+        on_progress(done)
+    return _enqueue_rest(conn, info, requests, done, on_progress, None), done
+
+
+SUBMITTER_TTL = 30  # a submit that stops refreshing this for 30 s is taken for dead
+
+
+def _submitter() -> str:
+    return f"pid {os.getpid()} on {socket.gethostname()}"
+
+
+def _who(conn: redis.Redis, batch_id: str) -> str:
+    raw = conn.get(keys.batch_submitter(batch_id))
+    return raw.decode() if raw else "another process"
+
+
+def requests_digest(requests: Sequence[Request]) -> str:
+    """A short fingerprint of the requests, in order."""
+    h = hashlib.sha256()
+    for req in requests:
+        h.update(json_encoder.encode(req))
+        h.update(b"\n")
+    return h.hexdigest()[:32]
+
+
+class BatchCancelled(Exception):
+    """The batch was cancelled while it was being submitted."""
+
+
+def _enqueue_rest(
+    conn: redis.Redis,
+    info: BatchInfo,
+    requests: Sequence[Request],
+    start: int,
+    on_progress: Callable[[int], None] | None,
+    on_jobs: Callable[[list[str]], None] | None,
+) -> BatchInfo:
+    q = make_queue(conn, info.queue)
+    retry = Retry(max=info.retries) if info.retries > 0 else None
+    for at in range(start, len(requests), CHUNK):
+        chunk = requests[at : at + CHUNK]
+        datas = [_job_data(req, info, at + i, retry) for i, req in enumerate(chunk)]
+        ids = _enqueue_chunk(conn, q, info.batch_id, datas)
+        if on_jobs:
+            on_jobs(ids)
+        if on_progress:
+            on_progress(len(chunk))
+    return _mark_submitted(conn, info)
+
+
+def _enqueue_chunk(conn: redis.Redis, q: Queue, batch_id: str, datas: list) -> list[str]:
+    """One chunk of jobs, their ids and their counters in one transaction, unless the batch
+    was cancelled (its record is watched: a cancel between the look and the write wins)."""
+    with conn.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(keys.batch_info(batch_id))
+                raw = pipe.get(keys.batch_info(batch_id))
+                if raw is None or _batch_info_decoder.decode(raw).state == "cancelled":
+                    raise BatchCancelled(f"batch {batch_id} was cancelled while submitting")
+                pipe.multi()
+                jobs = q.enqueue_many(datas, pipeline=pipe)
+                ids = [j.id for j in jobs]
+                pipe.rpush(keys.batch_jobs(batch_id), *ids)
+                pipe.expire(keys.batch_jobs(batch_id), keys.BATCH_TTL)
+                rq_store.mark_submitted(pipe, ids, batch_id)
+                pipe.expire(keys.batch_submitter(batch_id), SUBMITTER_TTL)
+                pipe.execute()
+                return ids
+            except redis.WatchError:
+                pipe.reset()
+
+
+def _mark_submitted(conn: redis.Redis, info: BatchInfo) -> BatchInfo:
+    done = msgspec.structs.replace(info, state="submitted")
+    with conn.pipeline() as pipe:
+        try:
+            pipe.watch(keys.batch_info(info.batch_id))
+            raw = pipe.get(keys.batch_info(info.batch_id))
+            current = _batch_info_decoder.decode(raw) if raw else info
+            if current.state != "submitting":
+                return current
+            pipe.multi()
+            pipe.set(keys.batch_info(info.batch_id), json_encoder.encode(done), keepttl=True)
+            pipe.delete(keys.batch_submitter(info.batch_id))
+            pipe.execute()
+        except redis.WatchError:
+            return get_batch(conn, info.batch_id)  # cancelled in the meantime
+    return done
+
+
+def _job_data(req: Request, info: BatchInfo, index: int, retry: Retry | None):  # EnqueueData
+    batch_id = info.batch_id
+    meta = JobMeta(
+        batch_id=batch_id, index=index, custom_id=req.custom_id, expires_at=info.expires_at
+    )
+    ttl = info.result_ttl or keys.DEFAULT_RESULT_TTL
+    return Queue.prepare_data(
+        keys.JOB_FUNC,
+        args=(msgspec.to_builtins(req),),
+        timeout=info.job_timeout or keys.DEFAULT_JOB_TIMEOUT,
+        result_ttl=ttl,
+        failure_ttl=ttl,
+        description=req.custom_id or f"{batch_id}[{index}]",
+        meta=msgspec.to_builtins(meta),
+        retry=retry,
+    )
