@@ -11,8 +11,7 @@ from rq import Queue
 from rq.job import Job
 
 from mlxq.broker import batches as q
-from mlxq.broker import rq_store
-from mlxq.broker import keys
+from mlxq.broker import keys, rq_store
 from mlxq.broker.serializer import serializer
 from mlxq.wire import Request, Result
 

@@ -177,21 +177,24 @@ def _enqueue_chunk(conn: redis.Redis, q: Queue, batch_id: str, datas: list) -> l
 
 
 def _mark_submitted(conn: redis.Redis, info: BatchInfo) -> BatchInfo:
+    """The record as ``submitted`` (unless cancelled meanwhile); the lease is let go."""
     done = msgspec.structs.replace(info, state="submitted")
-    with conn.pipeline() as pipe:
-        try:
-            pipe.watch(keys.batch_info(info.batch_id))
-            raw = pipe.get(keys.batch_info(info.batch_id))
-            current = _batch_info_decoder.decode(raw) if raw else info
-            if current.state != "submitting":
-                return current
-            pipe.multi()
-            pipe.set(keys.batch_info(info.batch_id), json_encoder.encode(done), keepttl=True)
-            pipe.delete(keys.batch_submitter(info.batch_id))
-            pipe.execute()
-        except redis.WatchError:
-            return get_batch(conn, info.batch_id)  # cancelled in the meantime
-    return done
+    try:
+        with conn.pipeline() as pipe:
+            try:
+                pipe.watch(keys.batch_info(info.batch_id))
+                raw = pipe.get(keys.batch_info(info.batch_id))
+                current = _batch_info_decoder.decode(raw) if raw else info
+                if current.state != "submitting":
+                    return current
+                pipe.multi()
+                pipe.set(keys.batch_info(info.batch_id), json_encoder.encode(done), keepttl=True)
+                pipe.execute()
+                return done
+            except redis.WatchError:
+                return get_batch(conn, info.batch_id)  # cancelled in the meantime
+    finally:
+        conn.delete(keys.batch_submitter(info.batch_id))
 
 
 def _job_data(req: Request, info: BatchInfo, index: int, retry: Retry | None):  # EnqueueData

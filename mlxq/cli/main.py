@@ -23,6 +23,7 @@ from mlxq.cli.support import connect, fail, redis_option
 from mlxq.wire import Result, json_encoder
 
 MODEL_COMMANDS = {"worker", "run", "make-model"}
+STALLED_EXIT = 3  # `mlxq worker` exit status when its engine stalled (restart it)
 
 
 def _setup_logging(level: str, fmt: str = "text") -> None:
@@ -93,6 +94,12 @@ def _worker_options(f: Callable) -> Callable:
             "[default: 60].",
         ),
         click.option(
+            "--stall-timeout",
+            type=click.FloatRange(1),
+            help="Seconds the engine may go without a step while jobs run before the worker "
+            "puts them back and exits with status 3 [default: 300].",
+        ),
+        click.option(
             "--log-level",
             default="INFO",
             show_default=True,
@@ -150,11 +157,15 @@ def worker(
 ) -> None:
     """Load a model once and serve generation jobs from Redis queues, continuously batched."""
     from mlxq.worker.launch import run_worker
+    from mlxq.worker.rq_worker import EngineStalled
 
     _setup_logging(log_level, log_format)
     prof = _profile(profile, queues=list(queues), **settings)
     conn = connect(redis_url, writes_jobs=True)
-    run_worker(prof, conn, burst=burst, log_level=log_level)
+    try:
+        run_worker(prof, conn, burst=burst, log_level=log_level)
+    except EngineStalled as e:
+        fail(f"engine stalled: {e}", code=STALLED_EXIT)
 
 
 @cli.command()
@@ -193,6 +204,7 @@ def run(
     """
     from mlxq.server import embedded
     from mlxq.worker.launch import run_worker
+    from mlxq.worker.rq_worker import EngineStalled
 
     # A progress bar shows the run; per-job log lines would drown it.
     log_level = "WARNING" if log_level.upper() == "INFO" else log_level
@@ -225,14 +237,17 @@ def run(
                     bar.label = f"generating ({rate:.0f} tok/s)"
                 bar.update(1)
 
-            run_worker(
-                prof,
-                conn,
-                burst=True,
-                queues=[queue_name],
-                on_finish=on_finish,
-                log_level=log_level,
-            )
+            try:
+                run_worker(
+                    prof,
+                    conn,
+                    burst=True,
+                    queues=[queue_name],
+                    on_finish=on_finish,
+                    log_level=log_level,
+                )
+            except EngineStalled as e:
+                fail(f"engine stalled: {e}; rerun (the batch is {batch_id})", code=STALLED_EXIT)
         s = q.batch_status(conn, batch_id)
         elapsed = time.monotonic() - start
         click.echo(f"{s.finished} finished, {s.failed} failed in {elapsed:.1f}s", err=True)

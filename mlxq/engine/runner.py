@@ -65,6 +65,9 @@ class Runner:
         self.facts: DeviceFacts | None = None  # set when the engine starts
         self.memory: tuple[int, int] = (0, 0)  # MLX (active, peak) bytes, sampled each second
         self._memory_at = 0.0
+        # Monotonic time of the MLX thread's last completed pass (a step, or an idle wait):
+        # the worker's stall watchdog reads it.
+        self.last_progress = time.monotonic()
 
     # -- called from other threads -------------------------------------------------
     def start(self) -> ModelInfo:
@@ -141,6 +144,7 @@ class Runner:
                         self._stream.put(chunk)
                     self._emit(done)
                 self._sample_memory()
+                self.last_progress = time.monotonic()
         except BaseException as e:
             log.exception("MLX thread stopped on an unexpected error")
             self._error = e

@@ -104,6 +104,11 @@ class WorkerInfo(Struct):
     started_at: float
     heartbeat_at: float
     adapter_path: str | None = None
+    # "stalled": its MLX thread stopped making progress with jobs in flight; the worker
+    # put its jobs back and exited (the record stays a while so `mlxq workers` shows it).
+    state: str = "running"
+    # Seconds since the MLX thread last completed a step (while jobs are in flight).
+    step_age_s: float | None = None
 
 
 class QueueInfo(Struct):

@@ -142,13 +142,15 @@ def run_worker(
         name=profile.name,
         abandon_after=profile.abandon_after,
         grace_period=profile.grace_period,
+        stall_timeout=profile.stall_timeout,
     )
     worker.on_finish = on_finish
     worker.reporter = _reporter(worker, profile, runner)
     try:
         worker.work(burst=burst, logging_level=log_level)
     finally:
-        runner.stop()
+        if not worker.stalled:  # a hung MLX thread never joins
+            runner.stop()
     return worker
 
 

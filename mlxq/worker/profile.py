@@ -31,6 +31,10 @@ class WorkerProfile(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # Seconds without a heartbeat after which other workers take this one's jobs back.
     abandon_after: Annotated[int, Meta(ge=3, le=3600)] = 30
     grace_period: Annotated[float, Meta(ge=0.0)] = 60.0
+    # Seconds the MLX thread may go without completing a step while jobs are in flight
+    # before the worker puts them back and exits non-zero (long enough for a first compile
+    # and a long prefill of a big model).
+    stall_timeout: Annotated[float, Meta(ge=1.0)] = 300.0
     name: str | None = None
     # Serve Prometheus metrics on this port (needs the `metrics` extra).
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None

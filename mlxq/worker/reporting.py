@@ -57,9 +57,13 @@ class Reporter:
         in_flight: int,
         ttl: int,
         memory: tuple[int, int] = (0, 0),
+        state: str = "running",
+        step_age_s: float | None = None,
     ) -> None:
         """Refresh WorkerInfo in Redis (expiring after ``ttl`` s) and the metric gauges."""
-        fleet.publish(conn, self.info(scheduler, in_flight), ttl)
+        info = self.info(scheduler, in_flight)
+        info.state, info.step_age_s = state, step_age_s
+        fleet.publish(conn, info, ttl)
         if self.metrics is None:
             return
         self.metrics.set_in_flight(in_flight)

@@ -39,6 +39,12 @@ CONTROL_INTERVAL_S = 0.5  # how often cancel flags and time limits are checked
 REPORT_INTERVAL_S = 2.0  # how often the worker publishes its state (WorkerInfo, metrics)
 RECOVERY_INTERVAL_S = 5.0  # how often abandoned jobs of dead workers are looked for
 MAX_BACKOFF_S = 30.0
+# How long a stalled worker's record stays for `mlxq workers` after it exits.
+STALLED_RECORD_TTL = 600
+
+
+class EngineStalled(RuntimeError):
+    """The MLX thread completed no step for ``stall_timeout`` seconds with jobs in flight."""
 
 
 class MlxqWorker(BaseWorker):
@@ -54,6 +60,7 @@ class MlxqWorker(BaseWorker):
         name: str | None = None,
         abandon_after: int = 30,
         grace_period: float = 60.0,
+        stall_timeout: float = 300.0,
     ) -> None:
         # Heartbeats every third of `abandon_after`: a job whose worker misses three is
         # put back on its queue by the other workers.
@@ -70,6 +77,8 @@ class MlxqWorker(BaseWorker):
         self.runner = runner
         self.model_name = model_name
         self.grace_period = grace_period
+        self.stall_timeout = stall_timeout
+        self.stalled = False
         self.inflight: dict[str, InFlight] = {}
         self.jobs_done = 0
         self.reporter: Reporter | None = None  # set by the launcher: fleet info, metrics
@@ -127,10 +136,14 @@ class MlxqWorker(BaseWorker):
                     time.sleep(backoff)
                     backoff = min(backoff * 2, MAX_BACKOFF_S)
             self._wind_down()
+        except EngineStalled as e:
+            self._on_stall(e)
+            raise
         finally:
             self._requeue_all()
-            self.runner.stop()
-            self._forget()
+            if not self.stalled:  # a hung MLX thread never joins: do not wait for it
+                self.runner.stop()
+                self._forget()
             self.teardown()
         return self.jobs_done > 0
 
@@ -152,7 +165,43 @@ class MlxqWorker(BaseWorker):
             self._finish(self.runner.completions(timeout=BUSY_WAIT_S))
         if not self.runner.alive:
             raise RuntimeError("the MLX thread died; see the log above")
+        self._check_stall()
         return False
+
+    # -- a hung MLX thread ---------------------------------------------------------------
+    def _step_age(self) -> float | None:
+        """Seconds since the MLX thread's last completed pass, while jobs are in flight."""
+        return time.monotonic() - self.runner.last_progress if self.inflight else None
+
+    def _check_stall(self) -> None:
+        """Give up on an MLX thread that has made no progress for ``stall_timeout`` s while
+        jobs are in flight (hung in a native call: heartbeats alone would hold its jobs
+        forever)."""
+        age = self._step_age()
+        if age is not None and age >= self.stall_timeout:
+            raise EngineStalled(
+                f"the MLX thread completed no step for {age:.0f}s (--stall-timeout "
+                f"{self.stall_timeout:g}) with {len(self.inflight)} jobs in flight; putting "
+                "them back and exiting so the service manager restarts this worker"
+            )
+
+    def _on_stall(self, e: EngineStalled) -> None:
+        """Log it, stop heartbeating, and leave a ``stalled`` record for `mlxq workers`."""
+        self.stalled = True
+        self.log.error("Worker %s: %s", self.name, e)
+        if self.reporter is None or self.runner.scheduler is None:
+            return
+        try:
+            self.reporter.publish(
+                self.connection,
+                self.runner.scheduler,
+                len(self.inflight),
+                ttl=max(STALLED_RECORD_TTL, self.abandon_after),
+                state="stalled",
+                step_age_s=self._step_age(),
+            )
+        except redis.RedisError:
+            pass  # the record expires by itself
 
     def _maintain(self) -> None:
         if time.monotonic() - self._last_sweep >= RECOVERY_INTERVAL_S:
@@ -319,6 +368,7 @@ class MlxqWorker(BaseWorker):
             len(self.inflight),
             ttl=self.abandon_after,
             memory=self.runner.memory,
+            step_age_s=self._step_age(),
         )
 
     def _control_if_due(self) -> None:

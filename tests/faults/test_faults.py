@@ -76,6 +76,9 @@ def assert_books_balance(conn: redis.Redis, batch_id: str, n: int) -> list:
         0,
         0,
     ), status
+    # The counters, kept through every requeue, agree with the jobs counted one by one.
+    counted = q.count_jobs(conn, batch_id)
+    assert counted["finished"] == n and counted["queued"] == counted["started"] == 0, counted
     ids = q.batch_job_ids(conn, batch_id)
     assert [conn.xlen(f"rq:results:{j}") for j in ids] == [1] * n
     results = list(q.iter_batch_results(conn, batch_id))
