@@ -10,6 +10,7 @@ and MLX's active and peak memory. A leak shows as a steady climb; flat is good.
 from __future__ import annotations
 
 import argparse
+import random
 import resource
 import sys
 import time
@@ -41,15 +42,22 @@ def rss_mib() -> float:
 
 
 def requests(n: int, offset: int, max_tokens: int) -> list[Request]:
-    return [
-        Request(
-            prompt=f"Request {offset + i}: tell a story about item {i % 97}",
-            max_tokens=max_tokens,
-            temperature=0.7 if i % 3 else 0.0,
-            seed=i,
+    """Varied work: prompts of 1 to 8 sentences, outputs of 1 to ``max_tokens`` tokens
+    (as EOS would cut them), a third sampled."""
+    rng = random.Random(offset)
+    out = []
+    for i in range(n):
+        sentences = rng.randint(1, 8)
+        prompt = " ".join(f"Item {i % 97} sentence {k} of a story." for k in range(sentences))
+        out.append(
+            Request(
+                prompt=f"Request {offset + i}: {prompt}",
+                max_tokens=max(1, min(max_tokens, int(rng.expovariate(3 / max_tokens)) + 1)),
+                temperature=0.7 if i % 3 else 0.0,
+                seed=i,
+            )
         )
-        for i in range(n)
-    ]
+    return out
 
 
 def main() -> None:
@@ -58,7 +66,7 @@ def main() -> None:
     ap.add_argument("--model", help="a model folder instead of a preset")
     ap.add_argument("--jobs", type=int, default=3000, help="total jobs")
     ap.add_argument("--batches", type=int, default=6, help="measure after each of these")
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32, help="longest output (mean ~1/3)")
     ap.add_argument("--max-batch", type=int, default=32)
     args = ap.parse_args()
     model = args.model or str(make_model(Path("/tmp/mlxq-soak") / args.preset, args.preset))
@@ -90,7 +98,7 @@ def main() -> None:
         s = q.batch_status(conn, info.batch_id)
         assert s.finished == args.jobs, s
     print(
-        f"soak: {args.jobs} jobs x {args.max_tokens} tokens through one worker, model "
+        f"soak: {args.jobs} jobs of 1-{args.max_tokens} tokens through one worker, model "
         f"{args.model or args.preset}, batch {args.max_batch}"
     )
     print(f"{'jobs':>6} {'RSS MiB':>9} {'MLX active MiB':>15} {'MLX peak MiB':>13} {'s':>7}")

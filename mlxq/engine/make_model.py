@@ -85,6 +85,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     },
+    # SmolLM2-135M's shape: a real small model that soaks and CPU benchmarks can afford
+    # (float32: the CPU backend is far slower in bfloat16).
+    "smollm2-135m": {
+        "model_type": "llama",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rope_theta": 100000.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    },
     "qwen2.5-0.5b": {
         "model_type": "qwen2",
         "hidden_size": 896,
