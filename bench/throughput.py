@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import inspect
 import math
@@ -290,19 +291,27 @@ def run_mlxq(
     """
     from mlxq.broker.batches import connect, iter_batch_results, submit
     from mlxq.engine.mlx_lm_batch import Engine
+    from mlxq.engine.model_facts import model_info
     from mlxq.engine.runner import Runner
     from mlxq.wire import Request
+    from mlxq.worker.config import resolve
     from mlxq.worker.launch import build_scheduler, engine_for
     from mlxq.worker.rq_worker import MlxqWorker
 
     readings: dict[str, Any] = {}
+    configs: list[Any] = []
 
-    def make_engine(_facts: object) -> Engine:  # as mlxq.worker.launch.make_runner, loaded model
-        engine = engine_for(model, tokenizer, name, profile, prefix_cache_bytes)
+    def make_engine(facts: Any) -> Engine:  # as mlxq.worker.launch.Setup, on a loaded model
+        info = model_info(model, name, vocab_size=len(tokenizer))
+        config = dataclasses.replace(
+            resolve(profile, facts, info), prefix_cache_bytes=prefix_cache_bytes
+        )
+        configs.append(config)
+        engine = engine_for(model, tokenizer, config)
         readings["start"] = engine.stats()
         return engine
 
-    runner = Runner(make_engine, lambda engine, facts: build_scheduler(engine, facts, profile))
+    runner = Runner(make_engine, lambda engine, facts: build_scheduler(configs[0]))
     runner.start()
     conn = connect(url)
     queue = bench_queue()
@@ -510,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     from mlxq.engine.hardware import device_facts
     from mlxq.engine.model_facts import model_info
     from mlxq.engine.scheduler import auto_prefill_batch
+    from mlxq.worker.config import resolve
     from mlxq.worker.launch import build_scheduler
     from mlxq.worker.profile import WorkerProfile
 
@@ -523,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     # mlxq's own sizing: the scheduler's batch is what the worker admits.
     sizes = {"prefill_batch": args.prefill_batch} if args.prefill_batch else {}
     profile = WorkerProfile(max_batch=args.batch, **sizes)
-    scheduler = build_scheduler(_InfoOnly(info), device_facts(), profile)
+    scheduler = build_scheduler(resolve(profile, device_facts(), info))
     batch = scheduler.max_batch
 
     # mlxq's prefill batch: as given, or what its scheduler picks for a workload's prompts
@@ -618,13 +628,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(args.json, out)
     return 0
-
-
-class _InfoOnly:
-    """What ``build_scheduler`` reads of an engine: its ``info``."""
-
-    def __init__(self, info: Any) -> None:
-        self.info = info
 
 
 def _struct_dict(obj: Any) -> dict[str, Any]:

@@ -33,3 +33,39 @@ def test_flags_override_the_profile():
     base = WorkerProfile(model="a", max_batch=8, queues=["q"])
     merged = merge(base, {"model": None, "max_batch": 32, "queues": []})
     assert (merged.model, merged.max_batch, merged.queues) == ("a", 32, ["q"])
+
+
+def test_flags_are_held_to_the_profiles_limits():
+    with pytest.raises(ProfileError, match=r"prefill_step"):
+        merge(WorkerProfile(model="a"), {"prefill_step": 4})
+
+
+def _facts(backend: str, gib: int = 16):
+    from mlxq.engine.hardware import DeviceFacts
+
+    return DeviceFacts(backend, "dev", gib * 2**30, gib * 2**30, "host", "os")
+
+
+def _info(param_bytes: int = 2**30, kv_per_token: int = 2**15):
+    from mlxq.wire import ModelInfo
+
+    return ModelInfo(
+        "org/m", "llama", 16, 2048, 8, 64, 1000, 8192, kv_per_token, param_bytes, "f16"
+    )
+
+
+def test_one_resolved_configuration_decides_every_automatic_setting():
+    from mlxq.worker.config import resolve
+
+    config = resolve(WorkerProfile(model="org/m"), _facts("metal"), _info())
+    budget = int(16 * 2**30 * 0.75) - 2**30  # 75% of memory less the weights
+    assert config.prefix_cache_bytes == int(budget * 0.1)
+    assert config.kv_budget_bytes == budget - config.prefix_cache_bytes
+    assert config.max_batch == min(256, config.kv_budget_bytes // (2**15 * 2048))
+    assert config.auto_prefill and config.queues == ("m", "default")
+    assert (config.stall_timeout, config.abandon_after, config.grace_period) == (300, 30, 60)
+    assert resolve(WorkerProfile(model="m"), _facts("cpu"), _info()).stall_timeout == 1800
+    given = WorkerProfile(model="m", max_batch=3, prefill_batch=2, stall_timeout=9, queues=["x"])
+    config = resolve(given, _facts("cpu"), _info())
+    assert (config.max_batch, config.prefill_batch, config.auto_prefill) == (3, 2, False)
+    assert (config.stall_timeout, config.queues, config.prefill_tokens) == (9, ("x",), 2048)

@@ -21,6 +21,7 @@ from mlxq.cli.batches import BATCH_COMMANDS, emit_results, progress_bar, read_fi
 from mlxq.cli.fleet import workers
 from mlxq.cli.support import connect, fail, redis_option
 from mlxq.wire import Result, json_encoder
+from mlxq.worker.profile import DEFAULTS, STALL_TIMEOUT_S
 
 MODEL_COMMANDS = {"worker", "run", "make-model"}
 STALLED_EXIT = 3  # `mlxq worker` exit status when its engine stalled (restart it)
@@ -68,7 +69,8 @@ def _worker_options(f: Callable) -> Callable:
         click.option(
             "--memory-fraction",
             type=click.FloatRange(0.05, 0.95),
-            help="Share of device memory for weights + KV cache [default: 0.75].",
+            help="Share of device memory for weights + KV cache "
+            f"[default: {DEFAULTS.memory_fraction}].",
         ),
         click.option(
             "--adapter-path",
@@ -79,25 +81,26 @@ def _worker_options(f: Callable) -> Callable:
             "--prefix-cache-fraction",
             type=click.FloatRange(0, 0.5),
             help="Share of the KV budget that keeps shared prompt prefixes for reuse; "
-            "0 turns it off [default: 0.1].",
+            f"0 turns it off [default: {DEFAULTS.prefix_cache_fraction}].",
         ),
         click.option(
             "--abandon-after",
             type=click.IntRange(3, 3600),
             help="Seconds without a heartbeat before other workers take this worker's jobs "
-            "back [default: 30].",
+            f"back [default: {DEFAULTS.abandon_after}].",
         ),
         click.option(
             "--grace-period",
             type=click.FloatRange(0),
             help="Seconds to finish running jobs on SIGTERM before putting them back "
-            "[default: 60].",
+            f"[default: {DEFAULTS.grace_period:g}].",
         ),
         click.option(
             "--stall-timeout",
             type=click.FloatRange(1),
             help="Seconds the engine may go without a step while jobs run before the worker "
-            "puts them back and exits with status 3 [default: 300].",
+            f"puts them back and exits with status {STALLED_EXIT} [default: "
+            f"{STALL_TIMEOUT_S['metal']:g} on a GPU, {STALL_TIMEOUT_S['cpu']:g} on the CPU].",
         ),
         click.option(
             "--log-level",

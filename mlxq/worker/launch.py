@@ -1,4 +1,5 @@
-"""Wiring a worker together: profile → engine on the MLX thread → scheduler → RQ worker."""
+"""Wiring a worker together: profile → configuration and engine on the MLX thread →
+scheduler → RQ worker."""
 
 from __future__ import annotations
 
@@ -9,75 +10,80 @@ from typing import Any
 import mlx_lm
 import redis
 
-from mlxq.broker import keys
 from mlxq.engine.hardware import DeviceFacts
 from mlxq.engine.mlx_lm_batch import Engine
 from mlxq.engine.model_facts import model_info
 from mlxq.engine.runner import Runner
-from mlxq.engine.scheduler import (
-    DEFAULT_PREFILL_BATCH,
-    MAX_AUTO_BATCH,
-    PREFILL_TOKENS,
-    Scheduler,
-    auto_max_batch,
-    memory_budget,
-    split_budget,
-)
+from mlxq.engine.scheduler import Scheduler
 from mlxq.wire import Result
+from mlxq.worker.config import WorkerConfig, resolve, worker_queues
 from mlxq.worker.profile import WorkerProfile
 from mlxq.worker.reporting import Reporter
 from mlxq.worker.rq_worker import MlxqWorker
 
 log = logging.getLogger("mlxq.worker")
 
-
-def worker_queues(profile: WorkerProfile) -> list[str]:
-    """The profile's queues, or the model's own queue and ``default``."""
-    if profile.queues:
-        return list(profile.queues)
-    own = keys.queue_name_for_model(profile.model)
-    return [own] if own == keys.DEFAULT_QUEUE else [own, keys.DEFAULT_QUEUE]
+__all__ = ["Setup", "build_scheduler", "engine_for", "run_worker", "worker_queues"]
 
 
-def make_runner(profile: WorkerProfile) -> Runner:
-    """A Runner whose thread loads ``profile.model`` and sizes its scheduler from memory."""
-    if not profile.model:
-        raise ValueError("no model: pass --model (a local folder or a hub id) or a --profile")
-    model = profile.model
+class Setup:
+    """What the MLX thread does at start: load the model, resolve the configuration once
+    (the device and the model are known only then), build the engine and the scheduler."""
 
-    def make_engine(facts: DeviceFacts) -> Engine:
-        loaded, tokenizer = mlx_lm.load(model, adapter_path=profile.adapter_path)
-        _, prefix_bytes = _budgets(facts, model_info(loaded, model).param_bytes, profile)
-        return engine_for(loaded, tokenizer, model, profile, prefix_bytes)
+    def __init__(self, profile: WorkerProfile) -> None:
+        if not profile.model:
+            raise ValueError("no model: pass --model (a local folder or a hub id) or a --profile")
+        self.profile = profile
+        self.config: WorkerConfig | None = None  # set on the MLX thread
 
-    def make_scheduler(engine: Engine, facts: DeviceFacts) -> Scheduler:
-        return build_scheduler(engine, facts, profile)
+    def engine(self, facts: DeviceFacts) -> Engine:
+        model = self.profile.model or ""
+        loaded, tokenizer = mlx_lm.load(model, adapter_path=self.profile.adapter_path)
+        info = model_info(loaded, model, vocab_size=len(tokenizer))
+        self.config = resolve(self.profile, facts, info)
+        return engine_for(loaded, tokenizer, self.config)
 
-    return Runner(make_engine, make_scheduler)
+    def scheduler(self, engine: Engine, facts: DeviceFacts) -> Scheduler:
+        assert self.config is not None
+        return build_scheduler(self.config)
+
+    def runner(self) -> Runner:
+        """A Runner whose thread does all of the above when started."""
+        return Runner(self.engine, self.scheduler)
 
 
-def engine_for(
-    loaded: Any, tokenizer: Any, name: str, profile: WorkerProfile, prefix_cache_bytes: int
-) -> Engine:
-    """A warmed-up Engine over a loaded model, sized as the profile says."""
+def engine_for(loaded: Any, tokenizer: Any, config: WorkerConfig) -> Engine:
+    """A warmed-up Engine over a loaded model, sized as the configuration says."""
     engine = Engine.from_loaded(
         loaded,
         tokenizer,
-        name,
-        max_batch=profile.max_batch or MAX_AUTO_BATCH,
-        prefill_batch=profile.prefill_batch or DEFAULT_PREFILL_BATCH,
-        prefill_step=profile.prefill_step,
-        prefix_cache_bytes=prefix_cache_bytes,
+        config.model,
+        max_batch=config.max_batch,
+        prefill_batch=config.prefill_batch,
+        prefill_step=config.prefill_step,
+        prefix_cache_bytes=config.prefix_cache_bytes,
     )
     engine.warmup()
     return engine
 
 
-def build_scheduler(engine: Engine, facts: DeviceFacts, profile: WorkerProfile) -> Scheduler:
-    """Size the batch and KV budget from the device's memory and the model's shape."""
-    info = engine.info
-    budget, prefix_bytes = _budgets(facts, info.param_bytes, profile)
-    max_batch = profile.max_batch or auto_max_batch(budget, info.kv_bytes_per_token)
+def build_scheduler(config: WorkerConfig) -> Scheduler:
+    """The scheduler of a configuration (logging the device and model it was sized for)."""
+    _log_sizing(config)
+    return Scheduler(
+        max_batch=config.max_batch,
+        kv_bytes_per_token=config.info.kv_bytes_per_token,
+        budget_bytes=config.kv_budget_bytes,
+        context_length=config.info.context_length,
+        prefetch=config.prefill_batch,
+        auto_prefill=config.auto_prefill,
+        prefill_step=config.prefill_step,
+        prefill_tokens=config.prefill_tokens,
+    )
+
+
+def _log_sizing(config: WorkerConfig) -> None:
+    facts, info = config.facts, config.info
     log.info(
         "device: %s %s on %s (%s), %.1f GiB memory, KV budget %.1f GiB + prefix cache %.1f GiB",
         facts.backend,
@@ -85,8 +91,8 @@ def build_scheduler(engine: Engine, facts: DeviceFacts, profile: WorkerProfile) 
         facts.host,
         facts.os,
         facts.memory_bytes / 2**30,
-        budget / 2**30,
-        prefix_bytes / 2**30,
+        config.kv_budget_bytes / 2**30,
+        config.prefix_cache_bytes / 2**30,
     )
     log.info(
         "model: %s (%s, %d layers, hidden %d, %d KV heads x %d, vocab %d, context %d, %s), "
@@ -102,24 +108,8 @@ def build_scheduler(engine: Engine, facts: DeviceFacts, profile: WorkerProfile) 
         info.dtype,
         info.param_bytes / 2**30,
         info.kv_bytes_per_token // 1024,
-        max_batch,
+        config.max_batch,
     )
-    return Scheduler(
-        max_batch=max_batch,
-        kv_bytes_per_token=info.kv_bytes_per_token,
-        budget_bytes=budget,
-        context_length=info.context_length,
-        prefetch=profile.prefill_batch or DEFAULT_PREFILL_BATCH,
-        auto_prefill=profile.prefill_batch is None,
-        prefill_step=profile.prefill_step,
-        prefill_tokens=PREFILL_TOKENS.get(facts.backend, PREFILL_TOKENS["cpu"]),
-    )
-
-
-def _budgets(facts: DeviceFacts, param_bytes: int, profile: WorkerProfile) -> tuple[int, int]:
-    """(KV bytes for running jobs, bytes for the prefix cache) on this device."""
-    total = memory_budget(facts.recommended_bytes, param_bytes, profile.memory_fraction)
-    return split_budget(total, profile.prefix_cache_fraction)
 
 
 def run_worker(
@@ -132,20 +122,23 @@ def run_worker(
     log_level: str = "INFO",
 ) -> MlxqWorker:
     """Load the model, then serve ``queues`` until stopped (or empty, with ``burst``)."""
-    runner = make_runner(profile)
+    setup = Setup(profile)
+    runner = setup.runner()
     runner.start()
+    config = setup.config
+    assert config is not None
     worker = MlxqWorker(
-        queues or worker_queues(profile),
+        queues or list(config.queues),
         connection=conn,
         runner=runner,
-        model_name=profile.model or "",
-        name=profile.name,
-        abandon_after=profile.abandon_after,
-        grace_period=profile.grace_period,
-        stall_timeout=profile.stall_timeout,
+        model_name=config.model,
+        name=config.name,
+        abandon_after=config.abandon_after,
+        grace_period=config.grace_period,
+        stall_timeout=config.stall_timeout,
     )
     worker.on_finish = on_finish
-    worker.reporter = _reporter(worker, profile, runner)
+    worker.reporter = _reporter(worker, config)
     try:
         worker.work(burst=burst, logging_level=log_level)
     finally:
@@ -154,20 +147,19 @@ def run_worker(
     return worker
 
 
-def _reporter(worker: MlxqWorker, profile: WorkerProfile, runner: Runner) -> Reporter:
+def _reporter(worker: MlxqWorker, config: WorkerConfig) -> Reporter:
     metrics = None
-    if profile.metrics_port is not None:
+    if config.metrics_port is not None:
         from mlxq.worker.metrics import WorkerMetrics
 
         metrics = WorkerMetrics()
-        metrics.serve(profile.metrics_port)
+        metrics.serve(config.metrics_port)
         log.info("metrics on http://0.0.0.0:%d/metrics", metrics.port)
-    assert runner.facts is not None
     return Reporter(
         worker.name,
-        profile.model or "",
+        config.model,
         worker.queue_names(),
-        runner.facts,
-        profile.adapter_path,
+        config.facts,
+        config.adapter_path,
         metrics,
     )

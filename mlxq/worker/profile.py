@@ -32,12 +32,18 @@ class WorkerProfile(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     abandon_after: Annotated[int, Meta(ge=3, le=3600)] = 30
     grace_period: Annotated[float, Meta(ge=0.0)] = 60.0
     # Seconds the MLX thread may go without completing a step while jobs are in flight
-    # before the worker puts them back and exits non-zero (long enough for a first compile
-    # and a long prefill of a big model).
-    stall_timeout: Annotated[float, Meta(ge=1.0)] = 300.0
+    # before the worker puts them back and exits non-zero; None: by backend (see config).
+    stall_timeout: Annotated[float, Meta(ge=1.0)] | None = None
     name: str | None = None
     # Serve Prometheus metrics on this port (needs the `metrics` extra).
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
+
+
+DEFAULTS = WorkerProfile()  # the one place worker defaults are written
+# Seconds without an engine step (jobs in flight) before a worker gives up on its MLX
+# thread, when the profile does not say: enough for a first compile and a long prefill on
+# a GPU; the CPU backend (development, CI) can take minutes per step of a real model.
+STALL_TIMEOUT_S = {"metal": 300.0, "cuda": 300.0, "cpu": 1800.0}
 
 
 class ProfileError(ValueError):
@@ -65,6 +71,10 @@ def merge(profile: WorkerProfile, overrides: dict[str, Any]) -> WorkerProfile:
     if "queues" in given:
         given["queues"] = list(given["queues"])
     try:
-        return msgspec.structs.replace(profile, **given)
+        merged = msgspec.structs.replace(profile, **given)
     except TypeError as e:
         raise ProfileError(f"unknown worker setting: {e}") from e
+    try:  # flags are held to the same limits as profile files
+        return msgspec.convert(msgspec.to_builtins(merged), WorkerProfile)
+    except msgspec.ValidationError as e:
+        raise ProfileError(f"worker setting {e}") from e

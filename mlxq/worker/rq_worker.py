@@ -28,6 +28,7 @@ from mlxq.engine.mlx_lm_batch import Completion, EngineJob, JobInputError
 from mlxq.engine.runner import Runner, Work
 from mlxq.wire import JobMeta, Request, Result
 from mlxq.worker.outcomes import InFlight, build_result, still_held, unrun_result, write_results
+from mlxq.worker.profile import DEFAULTS, STALL_TIMEOUT_S
 from mlxq.worker.reporting import Reporter
 
 log = logging.getLogger("mlxq.worker")
@@ -58,9 +59,9 @@ class MlxqWorker(BaseWorker):
         runner: Runner,
         model_name: str,
         name: str | None = None,
-        abandon_after: int = 30,
-        grace_period: float = 60.0,
-        stall_timeout: float = 300.0,
+        abandon_after: int = DEFAULTS.abandon_after,
+        grace_period: float = DEFAULTS.grace_period,
+        stall_timeout: float = STALL_TIMEOUT_S["metal"],
     ) -> None:
         # Heartbeats every third of `abandon_after`: a job whose worker misses three is
         # put back on its queue by the other workers.
