@@ -69,6 +69,9 @@ def test_password_auth_end_to_end_without_leaking_it(tiny_model, tmp_path):
         wrong = run_mlxq("status", url=url.replace(SECRET, "wrong-password"))
         assert wrong.returncode == 1 and "refused the credentials" in wrong.stderr
         assert "wrong-password" not in wrong.stderr
+        api = run_mlxq("api", "--no-auth", url=url.replace(SECRET, "wrong-password"))
+        assert api.returncode == 1 and "refused the credentials" in api.stderr
+        assert "wrong-password" not in api.stderr  # the API hides it as every command does
     finally:
         server.stop()
 

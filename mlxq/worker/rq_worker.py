@@ -205,11 +205,14 @@ class MlxqWorker(BaseWorker):
             pass  # the record expires by itself
 
     def _maintain(self) -> None:
-        if time.monotonic() - self._last_sweep >= RECOVERY_INTERVAL_S:
+        # Swept right before RQ's own maintenance too: RQ would fail abandoned jobs
+        # (bypassing the batch counters) where mlxq puts them back.
+        maintenance = self.should_run_maintenance_tasks
+        if maintenance or time.monotonic() - self._last_sweep >= RECOVERY_INTERVAL_S:
             self._last_sweep = time.monotonic()
             for queue in self.queues:
                 requeue_abandoned(queue)
-        if self.should_run_maintenance_tasks:
+        if maintenance:
             self.run_maintenance_tasks()
 
     # -- taking jobs ---------------------------------------------------------------------
