@@ -134,7 +134,8 @@ def main() -> None:
     )
     print(f"  submit: {args.jobs / submit_s['big']:,.0f} jobs/s")
     print(
-        f"  Redis memory: {queued_bytes:,.0f} B per queued job, {finished_bytes:,.0f} B per job with its result"
+        f"  Redis memory: {queued_bytes:,.0f} B per queued job, "
+        f"{finished_bytes:,.0f} B per job with its result"
     )
     print(
         f"  batch_status: {status['big'] * 1e3:.2f} ms for {args.jobs:,} jobs, "
@@ -147,9 +148,8 @@ def main() -> None:
         f"(peak RSS {big[1]:.0f} MiB); {args.small / small[0]:,.0f} results/s for "
         f"{args.small:,} (peak RSS {small[1]:.0f} MiB)"
     )
-    print(
-        f"  (this process: peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB)"
-    )
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"  (this process: peak RSS {own:.0f} MiB)")
 
 
 if __name__ == "__main__":
