@@ -5,21 +5,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import mlx_lm
 import redis
 
 from mlxq.engine.hardware import DeviceFacts
 from mlxq.engine.mlx_lm_batch import Engine
 from mlxq.engine.model_facts import model_info
+from mlxq.engine.model_source import check_adapter, load_model, resolve_model
 from mlxq.engine.runner import Runner
 from mlxq.engine.scheduler import Scheduler
+from mlxq.errors import StartupError, one_line
 from mlxq.wire import Result
 from mlxq.worker.config import WorkerConfig, resolve, worker_queues
 from mlxq.worker.profile import WorkerProfile
 from mlxq.worker.reporting import Reporter
 from mlxq.worker.rq_worker import MlxqWorker
+
+if TYPE_CHECKING:  # the metrics extra is imported only when --metrics-port asks for it
+    from mlxq.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("mlxq.worker")
 
@@ -27,29 +31,37 @@ __all__ = ["Setup", "build_scheduler", "engine_for", "run_worker", "worker_queue
 
 
 class Setup:
-    """What the MLX thread does at start: load the model, resolve the configuration once
-    (the device and the model are known only then), build the engine and the scheduler."""
+    """Starting a worker's engine: the model is found (a hub id downloaded) and checked on
+    the calling thread, so a model that cannot load fails in one line before anything is
+    served; then the MLX thread loads it, resolves the configuration once (the device and
+    the model are known only then) and builds the engine and the scheduler from it."""
 
     def __init__(self, profile: WorkerProfile) -> None:
         if not profile.model:
             raise ValueError("no model: pass --model (a local folder or a hub id) or a --profile")
         self.profile = profile
+        self.path = resolve_model(profile.model)
+        if profile.adapter_path is not None:
+            check_adapter(profile.adapter_path)
         self.config: WorkerConfig | None = None  # set on the MLX thread
+        self.runner = Runner(self._engine, self._scheduler)
 
-    def engine(self, facts: DeviceFacts) -> Engine:
+    def start(self) -> WorkerConfig:
+        """Start the MLX thread, load and warm up the model; the resolved configuration."""
+        self.runner.start()
+        assert self.config is not None
+        return self.config
+
+    def _engine(self, facts: DeviceFacts) -> Engine:
         model = self.profile.model or ""
-        loaded, tokenizer = mlx_lm.load(model, adapter_path=self.profile.adapter_path)
+        loaded, tokenizer = load_model(model, self.path, self.profile.adapter_path)
         info = model_info(loaded, model, vocab_size=len(tokenizer))
         self.config = resolve(self.profile, facts, info)
         return engine_for(loaded, tokenizer, self.config)
 
-    def scheduler(self, engine: Engine, facts: DeviceFacts) -> Scheduler:
+    def _scheduler(self, engine: Engine, facts: DeviceFacts) -> Scheduler:
         assert self.config is not None
         return build_scheduler(self.config)
-
-    def runner(self) -> Runner:
-        """A Runner whose thread does all of the above when started."""
-        return Runner(self.engine, self.scheduler)
 
 
 def engine_for(loaded: Any, tokenizer: Any, config: WorkerConfig) -> Engine:
@@ -120,12 +132,18 @@ def run_worker(
     queues: list[str] | None = None,
     on_finish: Callable[[Result], None] | None = None,
     log_level: str = "INFO",
+    setup: Setup | None = None,
 ) -> MlxqWorker:
-    """Load the model, then serve ``queues`` until stopped (or empty, with ``burst``)."""
-    setup = Setup(profile)
-    runner = setup.runner()
-    runner.start()
-    config = setup.config
+    """Load the model, then serve ``queues`` until stopped (or empty, with ``burst``).
+
+    ``setup`` is an already started :class:`Setup` (``mlxq run`` loads the model before it
+    submits anything); without one, the model is loaded here.
+    """
+    metrics = _serve_metrics(profile)
+    if setup is None:
+        setup = Setup(profile)
+        setup.start()
+    config, runner = setup.config, setup.runner
     assert config is not None
     worker = MlxqWorker(
         queues or list(config.queues),
@@ -138,7 +156,7 @@ def run_worker(
         stall_timeout=config.stall_timeout,
     )
     worker.on_finish = on_finish
-    worker.reporter = _reporter(worker, config)
+    worker.reporter = _reporter(worker, config, metrics)
     try:
         worker.work(burst=burst, logging_level=log_level)
     finally:
@@ -147,14 +165,26 @@ def run_worker(
     return worker
 
 
-def _reporter(worker: MlxqWorker, config: WorkerConfig) -> Reporter:
-    metrics = None
-    if config.metrics_port is not None:
-        from mlxq.worker.metrics import WorkerMetrics
+def _serve_metrics(profile: WorkerProfile) -> WorkerMetrics | None:
+    """Prometheus metrics on ``profile.metrics_port``, if asked for (before the model
+    loads, so a missing extra or a busy port fails at once)."""
+    if profile.metrics_port is None:
+        return None
+    from mlxq.worker.metrics import WorkerMetrics
 
-        metrics = WorkerMetrics()
-        metrics.serve(config.metrics_port)
-        log.info("metrics on http://0.0.0.0:%d/metrics", metrics.port)
+    metrics = WorkerMetrics()
+    try:
+        metrics.serve(profile.metrics_port)
+    except OSError as e:
+        raise StartupError(
+            f"cannot serve metrics on port {profile.metrics_port} ({one_line(e)}): pick "
+            "a free --metrics-port (or metrics_port in the profile)"
+        ) from e
+    log.info("metrics on http://0.0.0.0:%d/metrics", metrics.port)
+    return metrics
+
+
+def _reporter(worker: MlxqWorker, config: WorkerConfig, metrics: WorkerMetrics | None) -> Reporter:
     return Reporter(
         worker.name,
         config.model,
