@@ -41,14 +41,15 @@ def rss_mib() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def requests(n: int, offset: int, max_tokens: int) -> list[Request]:
-    """Varied work: prompts of 1 to 8 sentences, outputs of 1 to ``max_tokens`` tokens
+def requests(n: int, offset: int, max_tokens: int, sentences: int = 8) -> list[Request]:
+    """Varied work: prompts of 1 to ``sentences`` sentences (~8 tokens each), outputs of 1 to
+    ``max_tokens`` tokens
     (as EOS would cut them), a third sampled."""
     rng = random.Random(offset)
     out = []
     for i in range(n):
-        sentences = rng.randint(1, 8)
-        prompt = " ".join(f"Item {i % 97} sentence {k} of a story." for k in range(sentences))
+        count = rng.randint(1, sentences)
+        prompt = " ".join(f"Item {i % 97} sentence {k} of a story." for k in range(count))
         out.append(
             Request(
                 prompt=f"Request {offset + i}: {prompt}",
@@ -67,6 +68,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=3000, help="total jobs")
     ap.add_argument("--batches", type=int, default=6, help="measure after each of these")
     ap.add_argument("--max-tokens", type=int, default=32, help="longest output (mean ~1/3)")
+    ap.add_argument("--sentences", type=int, default=8, help="longest prompt, in sentences")
     ap.add_argument("--max-batch", type=int, default=32)
     args = ap.parse_args()
     model = args.model or str(make_model(Path("/tmp/mlxq-soak") / args.preset, args.preset))
@@ -74,7 +76,7 @@ def main() -> None:
     rows: list[tuple[int, float, float, float, float]] = []
     with embedded() as url:
         conn = q.connect(url)
-        info = q.submit(conn, requests(args.jobs, 0, args.max_tokens), queue="soak")
+        info = q.submit(conn, requests(args.jobs, 0, args.max_tokens, args.sentences), queue="soak")
         profile = WorkerProfile(model=model, max_batch=args.max_batch, name="soak")
         start, done = time.monotonic(), [0]
 
