@@ -95,7 +95,7 @@ class MlxqWorker(BaseWorker):
 
     # -- signals: never raise from a handler; the loop reads the flags -----------------
     def _shutdown(self) -> None:
-        self._stop_requested = True
+        rq_store.request_stop(self)
         self.log.info("Worker %s: stopping, finishing %d jobs", self.name, len(self.inflight))
 
     def request_force_stop(self, signum, frame) -> None:
@@ -118,11 +118,11 @@ class MlxqWorker(BaseWorker):
     ) -> bool:
         """Serve the queues until stopped (or, with ``burst``, until they are empty)."""
         self.bootstrap(logging_level)
-        self._install_signal_handlers()
+        rq_store.install_signal_handlers(self)
         self.set_state(WorkerStatus.IDLE)
         backoff = 0.5
         try:
-            while not (self._stop_requested or self._force_stop):
+            while not (rq_store.stop_requested(self) or self._force_stop):
                 try:
                     if self._pass(burst, max_jobs):
                         break
@@ -435,5 +435,5 @@ class MlxqWorker(BaseWorker):
         self.pubsub = self.connection.pubsub()
         self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
         self.pubsub_thread = self.pubsub.run_in_thread(
-            sleep_time=0.25, daemon=True, exception_handler=self._pubsub_exception_handler
+            sleep_time=0.25, daemon=True, exception_handler=rq_store.pubsub_error_handler(self)
         )
