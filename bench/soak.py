@@ -84,15 +84,16 @@ def main() -> None:
             # Read on the worker's main thread: counters only, no MLX computation.
             done[0] += 1
             if done[0] % every == 0:
-                rows.append(
-                    (
-                        done[0],
-                        rss_mib(),
-                        mx.get_active_memory() / 2**20,
-                        mx.get_peak_memory() / 2**20,
-                        time.monotonic() - start,
-                    )
+                row = (
+                    done[0],
+                    rss_mib(),
+                    mx.get_active_memory() / 2**20,
+                    mx.get_peak_memory() / 2**20,
+                    time.monotonic() - start,
                 )
+                rows.append(row)
+                # As it goes too, so a soak cut short still leaves its samples.
+                print("sample", *(f"{v:.1f}" for v in row), file=sys.stderr, flush=True)
 
         run_worker(
             profile, conn, burst=True, queues=["soak"], on_finish=sample, log_level="WARNING"
