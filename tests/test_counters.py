@@ -109,3 +109,13 @@ def test_resume_refuses_other_requests_and_a_live_submit(conn):
     conn.set(f"mlxq:batch:{info.batch_id}:submitting", "pid 1 on elsewhere")
     with pytest.raises(q.ResumeRefused, match="still being submitted by pid 1 on elsewhere"):
         q.resume(conn, info.batch_id, reqs)
+
+
+def test_resume_keeps_the_batchs_own_settings(tmp_path):
+    from tests.helpers import run_mlxq
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    out = run_mlxq("submit", str(prompts), "--resume", "b1", "--queue", "q", "--retries", "2")
+    assert out.returncode == 1
+    assert "--resume keeps the batch's own settings; drop --queue, --retries" in out.stderr
