@@ -4,8 +4,9 @@ attributes mlxq relies on, and every write that moves a job from one state to an
 Each state change also moves the job between its batch's counters (``keys.batch_counts``:
 queued, started, finished, failed, cancelled, expired) in the same Redis transaction, so a
 batch's status is one read however many jobs it has. The job's own hash remembers which
-counter it is in (field ``mlxq_state``), and a small script moves it only if it changes, so
-a transition applied twice (two sweepers, a retried write) counts once.
+counter it is in (field ``mlxq_state``; none yet means queued), and a small script moves
+it only if it changes, so a transition applied twice (two sweepers, a retried write)
+counts once.
 
 Every job that ends (finished, error, timeout, expired, cancelled) stores one full mlxq
 ``Result`` as its RQ result's return value, the same way, so readers never rebuild one.
@@ -115,7 +116,6 @@ BUCKET_OF_REASON = {
     "timeout": "failed",
     "expired": "expired",
 }
-_STATE_FIELD = "mlxq_state"
 
 # -- RQ internals mlxq relies on -------------------------------------------------------
 
@@ -154,11 +154,15 @@ def _enqueue_again(queue: Queue, job: Job, pipe: Any, at_front: bool) -> None:
 
 
 # -- batch counters --------------------------------------------------------------------
+# A job with no ``mlxq_state`` yet is in ``queued`` (where submit counts it). Batches
+# without counters (made before they were kept) are left alone.
 _MOVE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local old = redis.call('HGET', KEYS[1], 'mlxq_state')
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 0 then
+  return 0
+end
+local old = redis.call('HGET', KEYS[1], 'mlxq_state') or 'queued'
 if old == ARGV[1] then return 0 end
-if old then redis.call('HINCRBY', KEYS[2], old, -1) end
+redis.call('HINCRBY', KEYS[2], old, -1)
 redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
 redis.call('HSET', KEYS[1], 'mlxq_state', ARGV[1])
 return 1
@@ -181,9 +185,7 @@ def move(pipe: Any, job_id: str, batch_id: str | None, bucket: str) -> None:
 
 
 def mark_submitted(pipe: Any, job_ids: Sequence[str], batch_id: str) -> None:
-    """Count freshly enqueued jobs as queued (they are new: no script needed)."""
-    for jid in job_ids:
-        pipe.hset(job_key(jid), _STATE_FIELD, "queued")
+    """Count freshly enqueued jobs as queued (their hashes need no field for that)."""
     pipe.hincrby(keys.batch_counts(batch_id), "queued", len(job_ids))
     pipe.expire(keys.batch_counts(batch_id), keys.BATCH_TTL)
 
