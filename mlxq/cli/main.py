@@ -20,6 +20,8 @@ from mlxq.broker import keys
 from mlxq.cli.batches import BATCH_COMMANDS, emit_results, progress_bar, read_file
 from mlxq.cli.fleet import workers
 from mlxq.cli.support import connect, fail, redis_option
+from mlxq.cli.tables import input_options
+from mlxq.formats.tables import InputOptions
 from mlxq.wire import Result, json_encoder
 
 MODEL_COMMANDS = {"worker", "run", "make-model"}
@@ -175,6 +177,7 @@ def worker(
     show_envvar=True,
     help="Use this Redis instead of a private embedded Valkey.",
 )
+@input_options
 def run(
     file: str,
     profile: str | None,
@@ -184,9 +187,11 @@ def run(
     skip_invalid: bool,
     as_json: bool,
     redis_url: str | None,
+    inputs: InputOptions,
     **settings: Any,
 ) -> None:
-    """Run a JSONL FILE through a model on this machine and write the results.
+    """Run a JSONL FILE (or a CSV/Parquet table, see `mlxq submit`) through a model on this
+    machine and write the results.
 
     With no --redis-url (or MLXQ_REDIS_URL) it starts an embedded Valkey, submits the
     batch, serves it with an in-process worker, writes OUTPUT and stops the server.
@@ -198,7 +203,7 @@ def run(
     log_level = "WARNING" if log_level.upper() == "INFO" else log_level
     _setup_logging(log_level, log_format)
     prof = _profile(profile, **settings)
-    parsed = read_file(file, skip_invalid)
+    parsed = read_file(file, skip_invalid, inputs)
     server = contextlib.nullcontext(redis_url) if redis_url else embedded()
     with server as url:
         conn = connect(url)
