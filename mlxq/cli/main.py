@@ -18,6 +18,7 @@ from mlxq.api import api_command
 from mlxq.broker import batches as q
 from mlxq.broker import keys
 from mlxq.cli.batches import BATCH_COMMANDS, emit_results, progress_bar, read_file
+from mlxq.cli.dashboard import dashboard
 from mlxq.cli.fleet import workers
 from mlxq.cli.support import connect, fail, redis_option
 from mlxq.cli.tables import input_options
@@ -329,7 +330,7 @@ def make_model_cmd(dest: Path, preset: str, seed: int, as_json: bool) -> None:
         click.echo(f"wrote a random-weight {preset} model to {path}")
 
 
-for command in (*BATCH_COMMANDS, workers):
+for command in (*BATCH_COMMANDS, workers, dashboard):
     cli.add_command(command)
 cli.add_command(api_command, name="api")
 
