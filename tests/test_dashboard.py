@@ -21,11 +21,12 @@ from pathlib import Path
 
 import pytest
 from helpers import ROOT, free_port, run_mlxq, wait_for_port
+from test_fleet import make_info
 
 from mlxq.api.dashboard_state import STALL_AFTER_S, Dashboard
 from mlxq.broker import batches as q
 from mlxq.broker import fleet
-from mlxq.wire import Request, WorkerInfo
+from mlxq.wire import Request
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
@@ -250,27 +251,9 @@ def test_the_page_loads_nothing_from_the_network():
 
 def test_snapshot_flags_stalled_workers_and_estimates_the_eta(conn):
     now = time.time()
-    base = dict(
-        host="h",
-        pid=1,
-        model="m",
-        queues=["eq"],
-        backend="cpu",
-        device="d",
-        memory_bytes=1,
-        max_batch=8,
-        kv_budget_bytes=1,
-        kv_reserved_bytes=0,
-        in_flight=2,
-        jobs_done=0,
-        jobs_failed=0,
-        tokens_generated=0,
-        recent_tps=30.0,
-        started_at=now - 100,
-    )
-    fleet.publish(conn, WorkerInfo(name="fresh", heartbeat_at=now, **base), ttl=60)
+    fleet.publish(conn, make_info("fresh", queues=["eq"], heartbeat_at=now), ttl=60)
     late = now - STALL_AFTER_S - 5
-    fleet.publish(conn, WorkerInfo(name="late", heartbeat_at=late, **base), ttl=60)
+    fleet.publish(conn, make_info("late", queues=["eq"], heartbeat_at=late), ttl=60)
     reqs = [Request(prompt="x", custom_id=f"c{i}") for i in range(4)]
     info = q.submit(conn, reqs, queue="eq")
 

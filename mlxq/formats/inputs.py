@@ -140,11 +140,22 @@ def _read_stream(
     f: Any, name: str, skip_invalid: bool, max_line_bytes: int, defaults: RequestDefaults | None
 ) -> ParsedInput:
     parsed = parse_lines(_iter_lines(f, max_line_bytes), defaults=defaults)
+    return checked(parsed, name, skip_invalid)
+
+
+def checked(
+    parsed: ParsedInput,
+    name: str,
+    skip_invalid: bool,
+    error: type[InputFileError] = InputFileError,
+    what: str = "requests",
+) -> ParsedInput:
+    """``parsed``, or ``error`` if it has bad lines (unless skipped) or no requests at all."""
     if parsed.errors and not skip_invalid:
-        raise InputFileError(name, parsed.errors)
+        raise error(name, parsed.errors)
     if not parsed.requests:
-        summary = f"no valid requests in {name}" if parsed.errors else f"no requests in {name}"
-        raise InputFileError(name, parsed.errors, summary)
+        summary = f"no valid {what} in {name}" if parsed.errors else f"no {what} in {name}"
+        raise error(name, parsed.errors, summary)
     return parsed
 
 

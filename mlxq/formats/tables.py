@@ -29,7 +29,7 @@ import msgspec
 
 from mlxq.formats.defaults import RequestDefaults
 from mlxq.formats.input_errors import InvalidLine, LineError, decode_json, json_kind, show
-from mlxq.formats.inputs import InputFileError, ParsedInput, read_requests
+from mlxq.formats.inputs import InputFileError, ParsedInput, checked, read_requests
 from mlxq.wire import Message, Request
 
 PARQUET_HINT = "reading and writing Parquet needs pyarrow: pip install 'mlxq[parquet]'"
@@ -220,12 +220,7 @@ def _table_requests(
             continue
         out.requests.append(req)
         out.lines.append(n)
-    if out.errors and not skip_invalid:
-        raise TableFileError(path, out.errors)
-    if not out.requests:
-        summary = f"no valid rows in {path}" if out.errors else f"no rows in {path}"
-        raise TableFileError(path, out.errors, summary)
-    return out
+    return checked(out, path, skip_invalid, TableFileError, "rows")
 
 
 def _template_for(path: str, columns: list[str] | None, options: InputOptions) -> str:
