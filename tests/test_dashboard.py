@@ -272,7 +272,7 @@ def test_snapshot_flags_stalled_workers_and_estimates_the_eta(conn):
 
 
 def test_missing_api_extra_gives_the_one_line_hint(valkey_url):
-    code = "import sys; sys.modules['uvicorn'] = None\nfrom mlxq.cli.main import cli\ncli()"
+    code = "import sys; sys.modules['uvicorn'] = None\nfrom mlxq.cli.main import main\nmain()"
     res = subprocess.run(
         [sys.executable, "-c", code, "dashboard", "--redis-url", valkey_url],
         cwd=ROOT,

@@ -13,16 +13,19 @@ from __future__ import annotations
 from importlib import resources
 
 import redis
-from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
-from starlette.middleware import Middleware
-from starlette.requests import Request
-from starlette.responses import HTMLResponse, Response
-from starlette.routing import Mount, Route
 
 from mlxq.api.auth import AuthMiddleware, KeyChecker
 from mlxq.api.dashboard_state import Dashboard
+from mlxq.errors import needs_extra
 from mlxq.wire import json_encoder
+
+with needs_extra("api", "mlxq dashboard"):
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.middleware import Middleware
+    from starlette.requests import Request
+    from starlette.responses import HTMLResponse, Response
+    from starlette.routing import Mount, Route
 
 REFRESH_S = 2.0
 

@@ -27,14 +27,12 @@ from mlxq.wire import BatchStatus, Result, json_encoder
 # -- submit ------------------------------------------------------------------------------
 def read_file(path: str, skip_invalid: bool, inputs: InputOptions | None = None):  # -> ParsedInput
     from mlxq.formats.inputs import InputFileError
-    from mlxq.formats.tables import MissingExtra, error_place, read_input
+    from mlxq.formats.tables import error_place, read_input
 
     try:
         parsed = read_input(path, inputs or InputOptions(), skip_invalid=skip_invalid)
     except InputFileError as e:
         fail(f"{e}\nnothing was enqueued; fix the lines above or pass --skip-invalid")
-    except MissingExtra as e:
-        fail(str(e))
     except OSError as e:
         fail(f"cannot read {path}: {e.strerror or e}")
     for err in parsed.errors:

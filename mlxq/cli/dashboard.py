@@ -11,7 +11,8 @@ import click
 
 from mlxq.api.auth import ENV_API_KEYS, load_keys
 from mlxq.api.command import is_loopback
-from mlxq.cli.support import connect, fail, redis_option
+from mlxq.cli.support import check_port_free, connect, redis_option
+from mlxq.errors import needs_extra
 
 
 def dashboard_keys(host: str, keys_file: str | None) -> list[str] | None:
@@ -46,12 +47,11 @@ def dashboard(host: str, port: int, redis_url: str, keys_file: str | None, log_l
     Off loopback, API keys are required: open http://HOST:8100/#key=KEY or type the key in.
     """
     api_keys = dashboard_keys(host, keys_file)
-    try:
+    with needs_extra("api", "mlxq dashboard"):
         import uvicorn
+    from mlxq.api.dashboard import create_dashboard_app
 
-        from mlxq.api.dashboard import create_dashboard_app
-    except ImportError as e:
-        fail(f"{e}; install the API extra: pip install 'mlxq[api]'")
+    check_port_free(host, port, "--port")
     conn = connect(redis_url)
     app = create_dashboard_app(conn, api_keys)
     shown = f"[{host}]" if ":" in host else host

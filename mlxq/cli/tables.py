@@ -14,7 +14,7 @@ import redis
 from mlxq.broker import batches as q
 from mlxq.cli.support import fail
 from mlxq.formats.defaults import DEFAULTABLE, RequestDefaults
-from mlxq.formats.tables import InputOptions, MissingExtra
+from mlxq.formats.tables import InputOptions
 from mlxq.wire import MAX_LOGPROBS, MAX_TOKENS_LIMIT
 
 _DEFAULT_OPTIONS = [
@@ -114,14 +114,11 @@ def emit_table(conn: redis.Redis, batch_id: str, output: str, fmt: str, with_inp
     columns, rows = t.table_rows(done, with_input)
     if output != "-":
         Path(output).parent.mkdir(parents=True, exist_ok=True)
-    try:
-        if fmt == "parquet":
-            t.write_parquet(output, columns, rows)
-        else:
-            with click.open_file(output, "w", encoding="utf-8") as out:
-                t.write_csv(out, columns, rows)
-    except MissingExtra as e:
-        fail(str(e))
+    if fmt == "parquet":
+        t.write_parquet(output, columns, rows)
+    else:
+        with click.open_file(output, "w", encoding="utf-8") as out:
+            t.write_csv(out, columns, rows)
     if output != "-":
         click.echo(f"wrote {len(rows)} rows to {output}", err=True)
     lacking = t.rows_without_input(done) if with_input else 0

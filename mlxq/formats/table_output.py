@@ -14,7 +14,8 @@ import csv
 from collections.abc import Iterable
 from typing import IO, Any
 
-from mlxq.formats.tables import PARQUET_HINT, MissingExtra
+from mlxq.errors import needs_extra
+from mlxq.formats.tables import PARQUET
 from mlxq.wire import Result
 
 TABLE_FORMATS = ("csv", "parquet")
@@ -118,11 +119,9 @@ def _csv_cell(v: Any) -> Any:
 
 def write_parquet(path: str, columns: list[str], rows: list[dict]) -> None:
     """A Parquet file; a column whose values mix types is written as text."""
-    try:
+    with needs_extra("parquet", PARQUET):
         import pyarrow as pa
         import pyarrow.parquet as pq
-    except ImportError as e:
-        raise MissingExtra(PARQUET_HINT) from e
     arrays = {}
     for name in columns:
         values = [row.get(name) for row in rows]

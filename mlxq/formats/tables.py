@@ -27,12 +27,13 @@ from typing import Any
 
 import msgspec
 
+from mlxq.errors import needs_extra
 from mlxq.formats.defaults import RequestDefaults
 from mlxq.formats.input_errors import InvalidLine, LineError, decode_json, json_kind, show
 from mlxq.formats.inputs import InputFileError, ParsedInput, checked, read_requests
 from mlxq.wire import Message, Request
 
-PARQUET_HINT = "reading and writing Parquet needs pyarrow: pip install 'mlxq[parquet]'"
+PARQUET = "reading and writing Parquet"  # what needs the `parquet` extra
 TABLE_SUFFIXES = (".csv", ".parquet", ".pq")
 
 
@@ -41,10 +42,6 @@ class TableFileError(InputFileError):
 
     def place(self, line: int) -> str:
         return f"{self.path} row {line}"
-
-
-class MissingExtra(RuntimeError):
-    """An optional package a format needs is not installed (the message says which)."""
 
 
 @dataclass(frozen=True)
@@ -129,10 +126,8 @@ def _csv_rows(path: str) -> tuple[list[str], Rows]:
 
 
 def _parquet_rows(path: str) -> tuple[list[str], Rows]:
-    try:
+    with needs_extra("parquet", PARQUET):
         import pyarrow.parquet as pq
-    except ImportError as e:
-        raise MissingExtra(PARQUET_HINT) from e
     try:
         pf = pq.ParquetFile(path)
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
