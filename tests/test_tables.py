@@ -314,3 +314,37 @@ def test_table_results_refusals(valkey_url, conn, questions_csv):
     pending = run_mlxq("results", info.batch_id, "--format", "csv", url=valkey_url)
     assert pending.returncode == 1 and "1 of 1 requests are not done yet" in pending.stderr
     assert pending.stdout.splitlines() == [",".join(RESULT_COLUMNS)]
+
+
+def test_table_rows_join_inputs_and_keep_types_honest(tmp_path):
+    from mlxq.formats.table_output import table_rows, write_csv, write_parquet
+    from mlxq.wire import Result, Timing, Usage
+
+    def result(cid: str, metadata: dict) -> Result:
+        return Result(
+            job_id=f"j-{cid}",
+            custom_id=cid,
+            finish_reason="stop",
+            text="t",
+            usage=Usage(2, 3, 5),
+            metadata=metadata,
+            timing=Timing(started_at=10.0, finished_at=12.5),
+        )
+
+    results = [
+        result("a", {"input": {"text": "row text", "n": 1, "tags": ["x", "y"]}}),
+        result("b", {"topic": "from a JSONL line's metadata", "n": "two"}),
+        result("c", {}),  # never ran: nothing to join
+    ]
+    columns, rows = table_rows(results, with_input=True)
+    assert columns == [*RESULT_COLUMNS, "input_text", "n", "tags", "topic"]
+    assert rows[0]["input_text"] == "row text" and rows[0]["text"] == "t"
+    assert rows[0]["generation_s"] == 2.5 and rows[1]["topic"].startswith("from a JSONL")
+    out = io.StringIO()
+    write_csv(out, columns, rows)
+    parsed = list(csv.DictReader(io.StringIO(out.getvalue())))
+    assert parsed[0]["tags"] == '["x", "y"]' and parsed[2]["n"] == ""
+    write_parquet(str(tmp_path / "t.parquet"), columns, rows)
+    table = pq.read_table(tmp_path / "t.parquet")
+    assert table.column("n").to_pylist() == ["1", "two", None]  # mixed types: text
+    assert table.column("prompt_tokens").to_pylist() == [2, 2, 2]

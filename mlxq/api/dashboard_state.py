@@ -27,6 +27,8 @@ RATE_WINDOW_S = 120.0  # how far back the ETA's rate looks
 DONE_RECHECK_S = 30.0  # a finished batch is re-read this often (a retry can reopen it)
 # A worker publishes every ~2 s; one silent for this long is stuck in a step or wedged.
 STALL_AFTER_S = 10.0
+# Open pages share a snapshot this young: ten tabs cost Redis what one does.
+SHARE_S = 1.0
 
 
 class BatchRow(msgspec.Struct):
@@ -95,14 +97,23 @@ class Dashboard:
         self._clock = clock
         self._seen: dict[str, _Seen] = {}
         self._lock = threading.Lock()
+        self._last: tuple[float, Snapshot] | None = None
 
     def snapshot(self) -> Snapshot:
         """Every recent batch, live worker and queue, as the page shows them."""
-        now = time.time()
         with self._lock:
-            workers = fleet.live_workers(self.conn)
-            queues = fleet.queue_overview(self.conn, now=now)
-            batches = self._batches(now, workers)
+            tick = self._clock()
+            if self._last is not None and tick - self._last[0] < SHARE_S:
+                return self._last[1]
+            snap = self._take(tick)
+            self._last = (tick, snap)
+            return snap
+
+    def _take(self, tick: float) -> Snapshot:
+        now = time.time()
+        workers = fleet.live_workers(self.conn)
+        queues = fleet.queue_overview(self.conn, now=now)
+        batches = self._batches(now, tick, workers)
         return Snapshot(
             now=now,
             batches=batches,
@@ -113,8 +124,7 @@ class Dashboard:
             ],
         )
 
-    def _batches(self, now: float, workers: list[WorkerInfo]) -> list[BatchRow]:
-        tick = self._clock()
+    def _batches(self, now: float, tick: float, workers: list[WorkerInfo]) -> list[BatchRow]:
         seen = []
         for batch_id in self._recent_ids():
             entry = self._status(batch_id, tick)
