@@ -6,10 +6,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -69,8 +73,8 @@ def exported_names(text: str) -> set[str]:
 
 
 @pytest.fixture
-def scrape(valkey_url, conn, tiny_model) -> str:
-    """/metrics of a real `mlxq worker` after it served a batch with a rejected job."""
+def worker_port(valkey_url, conn, tiny_model) -> Iterator[int]:
+    """The metrics port of a real `mlxq worker` that has served a batch with a rejected job."""
     port = free_port()
     args = ("--metrics-port", str(port), "--name", "graf-w1")
     worker = subprocess.Popen(
@@ -89,14 +93,19 @@ def scrape(valkey_url, conn, tiny_model) -> str:
         status = q.wait_for_batch(conn, info.batch_id, timeout=180)
         assert (status.finished, status.failed) == (3, 1), status
         time.sleep(2.5)  # one more report interval: the gauges are set
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-            return r.read().decode()
+        yield port
     finally:
         worker.terminate()
         worker.wait(60)
 
 
-def test_every_query_names_a_metric_the_worker_exports(scrape):
+def fetch(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def test_every_query_names_a_metric_the_worker_exports(worker_port):
+    scrape = fetch(f"http://127.0.0.1:{worker_port}/metrics")
     exported = exported_names(scrape)
     assert "mlxq_job_failures_total" in {
         s.name for f in text_string_to_metric_families(scrape) for s in f.samples
@@ -109,6 +118,60 @@ def test_every_query_names_a_metric_the_worker_exports(scrape):
         assert not missing, f"{title}: {sorted(missing)} not exported by the worker"
         checked += len(names)
     assert checked >= 20
+
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+def grafana_to_promql(expr: str) -> str:
+    """A panel's query as Prometheus takes it: Grafana's variables filled in."""
+    expr = re.sub(r"label_values\((\w+),\s*\w+\)", r"\1", expr)
+    return expr.replace("$__rate_interval", "30s").replace("$instance", ".*")
+
+
+@pytest.mark.skipif(
+    PROMETHEUS is None, reason="Prometheus is not installed (apt-get install prometheus)"
+)
+def test_every_query_returns_series_from_a_real_prometheus(worker_port, tmp_path):
+    """Prometheus scrapes the worker every second; every panel's query must parse and
+    return at least one series (values may be 0 or NaN: the batch is over)."""
+    port = free_port()
+    config = {
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": [
+            {"job_name": "w", "static_configs": [{"targets": [f"127.0.0.1:{worker_port}"]}]}
+        ],
+    }
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    args = [
+        f"--config.file={tmp_path / 'prometheus.yml'}",
+        f"--storage.tsdb.path={tmp_path / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--log.level=warn",
+    ]
+    log = (tmp_path / "prometheus.log").open("w")
+    prom = subprocess.Popen([PROMETHEUS, *args], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for_port(port, prom, timeout=60)
+        pending = {expr: title for title, expr in queries(board())}
+        deadline = time.monotonic() + 60
+        while pending and time.monotonic() < deadline:
+            time.sleep(1)
+            for expr in list(pending):
+                q_url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode(
+                    {"query": grafana_to_promql(expr)}
+                )
+                try:
+                    answer = json.loads(fetch(q_url))
+                except urllib.error.HTTPError as e:  # a query Prometheus cannot parse
+                    pytest.fail(f"{pending[expr]}: {expr!r}: {e.read().decode()}")
+                if answer["status"] == "success" and answer["data"]["result"]:
+                    del pending[expr]
+        assert not pending, f"queries that returned no series: {sorted(pending.values())}"
+    finally:
+        prom.terminate()
+        prom.wait(30)
+        log.close()
 
 
 def test_the_board_covers_what_operators_watch():
