@@ -94,6 +94,12 @@ def test_rows_without_a_value_are_refused_by_row_number(tmp_path):
     assert [err.line for err in kept.errors] == [2, 3]
 
 
+def test_a_header_naming_a_column_twice_is_refused(tmp_path):
+    src = write_csv(tmp_path / "twice.csv", [("1", "2", "3")], header=("q", "a", "q"))
+    with pytest.raises(TableFileError, match="the header names 'q' more than once"):
+        read_input(str(src), InputOptions(template="{a}"))
+
+
 def test_template_fields_are_whole_column_names_never_lookups(tmp_path):
     src = write_csv(tmp_path / "odd.csv", [("1", "x")], header=("a.b", "first name"))
     req = read_input(str(src), InputOptions(template="{a.b}|{first name!r}|{a.b:>3}")).requests[0]
@@ -193,7 +199,8 @@ def test_submit_refuses_a_table_with_a_missing_column_and_enqueues_nothing(
 ):
     res = run_mlxq("submit", str(questions_csv), "--template", "{nope}", url=valkey_url)
     assert res.returncode == 1
-    assert "no column 'nope'" in res.stderr and "nothing was enqueued" in res.stderr
+    assert "no column 'nope'" in res.stderr
+    assert "nothing was enqueued; fix the rows above" in res.stderr
     assert conn.zcard(keys.batches()) == 0
     ok = run_mlxq(
         "submit",

@@ -32,7 +32,8 @@ def read_file(path: str, skip_invalid: bool, inputs: InputOptions | None = None)
     try:
         parsed = read_input(path, inputs or InputOptions(), skip_invalid=skip_invalid)
     except InputFileError as e:
-        fail(f"{e}\nnothing was enqueued; fix the lines above or pass --skip-invalid")
+        what = "rows" if inputs and inputs.is_table(path) else "lines"
+        fail(f"{e}\nnothing was enqueued; fix the {what} above or pass --skip-invalid")
     except OSError as e:
         fail(f"cannot read {path}: {e.strerror or e}")
     for err in parsed.errors:

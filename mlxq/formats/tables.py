@@ -99,6 +99,11 @@ def _csv_rows(path: str) -> tuple[list[str], Rows]:
     if header is None:
         f.close()
         raise TableFileError(path, [], f"no rows in {path} (a CSV table starts with a header)")
+    twice = sorted({c for c in header if header.count(c) > 1})
+    if twice:
+        f.close()
+        names = ", ".join(repr(c) for c in twice)
+        raise TableFileError(path, [], f"the header names {names} more than once; rename them")
 
     def rows() -> Rows:
         with f:
