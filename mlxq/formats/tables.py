@@ -29,7 +29,14 @@ import msgspec
 
 from mlxq.errors import needs_extra
 from mlxq.formats.defaults import RequestDefaults
-from mlxq.formats.input_errors import InvalidLine, LineError, decode_json, json_kind, show
+from mlxq.formats.input_errors import (
+    InvalidLine,
+    LineError,
+    decode_json,
+    explain,
+    json_kind,
+    show,
+)
 from mlxq.formats.inputs import InputFileError, ParsedInput, checked, read_requests
 from mlxq.wire import Message, Request
 
@@ -84,6 +91,8 @@ Rows = Iterator[tuple[int, dict[str, Any] | LineError]]
 
 def _open_table(path: str) -> tuple[list[str] | None, Rows]:
     """The table's column names (None when rows may differ: JSONL) and its numbered rows."""
+    if path == "-":
+        raise TableFileError(path, [], "a table is read from a file, not stdin: give its path")
     suffix = Path(path).suffix.lower()
     if suffix == ".csv":
         return _csv_rows(path)
@@ -267,10 +276,11 @@ def _row_request(
     else:
         req = Request(prompt=text)
     fields = {**options.defaults.fields, "custom_id": cid, "metadata": {"input": _jsonable(row)}}
+    data = {**msgspec.to_builtins(req), **fields}
     try:
-        return msgspec.convert({**msgspec.to_builtins(req), **fields}, Request)
+        return msgspec.convert(data, Request)
     except msgspec.ValidationError as e:
-        raise InvalidLine(n, str(e)) from e
+        raise InvalidLine(n, explain(e, data)) from e
 
 
 def _jsonable(row: Mapping[str, Any]) -> dict[str, Any]:
