@@ -94,6 +94,16 @@ def test_rows_without_a_value_are_refused_by_row_number(tmp_path):
     assert [err.line for err in kept.errors] == [2, 3]
 
 
+def test_the_example_table_reads_as_the_readme_says():
+    parsed = read_input(
+        str(ROOT / "examples" / "questions.csv"),
+        InputOptions(template="Q: {question}\nA:", id_column="qid"),
+    )
+    assert [r.custom_id for r in parsed.requests] == ["q1", "q2", "q3", "q4"]
+    assert parsed.requests[2].prompt.startswith("Q: Name a prime number larger than 10, and")
+    assert parsed.requests[0].metadata["input"]["topic"] == "geography"
+
+
 def test_a_header_naming_a_column_twice_is_refused(tmp_path):
     src = write_csv(tmp_path / "twice.csv", [("1", "2", "3")], header=("q", "a", "q"))
     with pytest.raises(TableFileError, match="the header names 'q' more than once"):
