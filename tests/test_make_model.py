@@ -112,6 +112,14 @@ def test_real_shape_presets(preset: str) -> None:
     assert count == pytest.approx(params, rel=0.01)
 
 
+def test_small_real_shape_for_cpu_soaks() -> None:
+    config = mm.preset_config("smollm2-135m")  # SmolLM2-135M's shape, in float32 for CPUs
+    arch = __import__(f"mlx_lm.models.{config['model_type']}", fromlist=["Model"])
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    count = sum(v.size for _, v in tree_flatten(model.parameters()))
+    assert count == pytest.approx(134.5e6, rel=0.01) and config["torch_dtype"] == "float32"
+
+
 def test_unknown_preset() -> None:
     with pytest.raises(ValueError, match="tiny"):
         mm.preset_config("gpt-5")
