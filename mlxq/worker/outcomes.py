@@ -19,7 +19,7 @@ from rq.results import Result as RQResult
 from rq.utils import now
 from rq.worker import BaseWorker
 
-from mlxq.engine.mlx_lm_batch import Completion
+from mlxq.engine.sampling import Completion
 from mlxq.wire import FinishReason, JobMeta, Request, Result, Timing, Usage
 
 # RQ status each finish reason leaves a job in (the result is stored either way).
