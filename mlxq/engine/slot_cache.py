@@ -92,12 +92,6 @@ class SlotCache:
         self.keys = [mx.zeros(shape_k, keys.dtype) for _ in range(self.num_layers)]
         self.values = [mx.zeros(shape_v, values.dtype) for _ in range(self.num_layers)]
 
-    def rows(self, slot: int, layer: int, end: int) -> tuple[mx.array, mx.array]:
-        """One slot's keys and values at positions ``0..end-1`` (``[1, heads, end, dim]``)."""
-        return self.keys[layer][slot : slot + 1, :, :end], self.values[layer][
-            slot : slot + 1, :, :end
-        ]
-
 
 def _grow(a: mx.array, capacity: int) -> mx.array:
     pad = mx.zeros((*a.shape[:2], capacity - a.shape[2], a.shape[3]), a.dtype)

@@ -10,9 +10,10 @@ import mlx_lm
 import redis
 
 from mlxq.broker import keys
+from mlxq.engine.factory import make_engine
 from mlxq.engine.hardware import DeviceFacts
-from mlxq.engine.mlx_lm_batch import Engine
 from mlxq.engine.model_facts import model_info
+from mlxq.engine.protocol import BatchEngine
 from mlxq.engine.runner import Runner
 from mlxq.engine.scheduler import (
     DEFAULT_PREFILL_BATCH,
@@ -45,22 +46,23 @@ def make_runner(profile: WorkerProfile) -> Runner:
         raise ValueError("no model: pass --model (a local folder or a hub id) or a --profile")
     model = profile.model
 
-    def make_engine(facts: DeviceFacts) -> Engine:
+    def load_engine(facts: DeviceFacts) -> BatchEngine:
         loaded, tokenizer = mlx_lm.load(model, adapter_path=profile.adapter_path)
         _, prefix_bytes = _budgets(facts, model_info(loaded, model).param_bytes, profile)
         return engine_for(loaded, tokenizer, model, profile, prefix_bytes)
 
-    def make_scheduler(engine: Engine, facts: DeviceFacts) -> Scheduler:
+    def make_scheduler(engine: BatchEngine, facts: DeviceFacts) -> Scheduler:
         return build_scheduler(engine, facts, profile)
 
-    return Runner(make_engine, make_scheduler)
+    return Runner(load_engine, make_scheduler)
 
 
 def engine_for(
     loaded: Any, tokenizer: Any, name: str, profile: WorkerProfile, prefix_cache_bytes: int
-) -> Engine:
-    """A warmed-up Engine over a loaded model, sized as the profile says."""
-    engine = Engine.from_loaded(
+) -> BatchEngine:
+    """A warmed-up engine over a loaded model (the slot engine where the model's cache
+    allows, see :mod:`mlxq.engine.factory`), sized as the profile says."""
+    engine = make_engine(
         loaded,
         tokenizer,
         name,
@@ -73,7 +75,7 @@ def engine_for(
     return engine
 
 
-def build_scheduler(engine: Engine, facts: DeviceFacts, profile: WorkerProfile) -> Scheduler:
+def build_scheduler(engine: BatchEngine, facts: DeviceFacts, profile: WorkerProfile) -> Scheduler:
     """Size the batch and KV budget from the device's memory and the model's shape."""
     info = engine.info
     budget, prefix_bytes = _budgets(facts, info.param_bytes, profile)
