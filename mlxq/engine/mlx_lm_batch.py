@@ -26,7 +26,8 @@ from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
 from mlxq.engine.model_facts import model_info
 from mlxq.engine.prefix_cache import Plan, make_prefix_cache
-from mlxq.engine.prompts import WARMUP_KEY, JobInputError, PromptEncoder, error_line
+from mlxq.engine.prompts import JobInputError, PromptEncoder, error_line
+from mlxq.engine.protocol import warm_up
 from mlxq.engine.sampling import (
     Completion,
     EngineJob,
@@ -147,9 +148,7 @@ class Engine:
             self._prompts.check_tokens(tokens, job.request.max_tokens)
         except JobInputError as exc:
             return Completion(job.key, "error", error=str(exc), admitted_at=now, finished_at=now)
-        detokenizer = self.tokenizer.detokenizer if job.request.stop else None
-        run = RunningJob(job, tokens, detokenizer, now)
-        run.logprobs = None if job.request.logprobs is None else []
+        run = RunningJob.start(job, tokens, self.tokenizer, now)
         self._stats.prompt_tokens += len(tokens)
         if self._prefix is not None:  # planned at the next step, once the burst is counted
             self._prefix.observe(tokens)
@@ -239,13 +238,8 @@ class Engine:
             if reason is not None:
                 done.append(self._finish(r.uid, reason))
             elif run.job.request.stream:
-                self._stream_out(run)
+                run.stream_update(self.tokenizer, self._chunks)
         return done
-
-    def _stream_out(self, run: RunningJob) -> None:
-        chunk = run.stream_chunk(self.tokenizer.decode(run.tokens).rstrip("\ufffd"))
-        if chunk is not None:  # ("\ufffd": a character split across tokens, held back)
-            self._chunks.append(chunk)
 
     def take_stream(self) -> list[StreamChunk]:
         """New output of stream jobs since the last call (finished jobs excluded: their
@@ -276,17 +270,7 @@ class Engine:
         del self._uids[run.job.key]
         if run.plan is not None:
             run.plan.release()  # a prefix it did not get to store
-        # Like mlx_lm.batch_generate: decode the ids (keeps a leading space, unlike the
-        # streaming detokenizers).
-        done = run.completion(reason, self.tokenizer.decode(run.tokens), error)
-        if run.job.request.stream:  # the rest of its output, before it is reported done
-            rest_ids, rest_text = (
-                done.token_ids[run.streamed_tokens :],
-                done.text[run.streamed_chars :],
-            )
-            if rest_ids or rest_text:
-                self._chunks.append(StreamChunk(run.job.key, rest_text, rest_ids))
-        return done
+        return run.finish(reason, self.tokenizer, self._chunks, error)
 
     def _fail_batch(self, exc: Exception) -> list[Completion]:
         """Fail the jobs the model was working on; keep the waiting ones on a new generator."""
@@ -325,13 +309,7 @@ class Engine:
 
     def warmup(self) -> None:
         """Run one tiny generation so that the first real jobs skip compile/alloc costs."""
-        if self.active:
-            return
-        failed = self.add(EngineJob(WARMUP_KEY, Request(prompt="Hello, world", max_tokens=4)))
-        if failed is not None:
-            raise RuntimeError(f"warmup failed: {failed.error}")
-        while self.active:
-            self.step()
+        warm_up(self)
 
     def close(self) -> None:
         """Drop all jobs and release the generator."""

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+import mlx.core as mx
+
+from mlxq.engine.prompts import WARMUP_KEY
 from mlxq.engine.sampling import Completion, EngineJob, StreamChunk
 from mlxq.engine.stats import EngineStats
 from mlxq.wire import ModelInfo, Request
@@ -71,3 +74,37 @@ class BatchEngine(Protocol):
     def close(self) -> None:
         """Drop all jobs and release device memory held for them."""
         ...
+
+
+class BatchLogitsHook(Protocol):
+    """Logits processing over the whole batch, once per decode step (slot engine only).
+
+    See :mod:`mlxq.engine.slot_engine` for when each method is called.
+    """
+
+    def admit(self, key: str, request: Request) -> None:
+        """A job starts decoding."""
+        ...
+
+    def process(self, logits: mx.array, rows: list[str]) -> mx.array:
+        """New ``[rows, vocab]`` logits for the decoding jobs ``rows`` (keys), before sampling."""
+        ...
+
+    def accept(self, rows: list[str], tokens: list[int]) -> None:
+        """The tokens sampled for ``rows`` (EOS included)."""
+        ...
+
+    def release(self, key: str) -> None:
+        """A job left the batch (finished, cancelled or failed)."""
+        ...
+
+
+def warm_up(engine: BatchEngine) -> None:
+    """Run one tiny generation through an idle engine (compiles kernels, allocates)."""
+    if engine.active:
+        return
+    failed = engine.add(EngineJob(WARMUP_KEY, Request(prompt="Hello, world", max_tokens=4)))
+    if failed is not None:
+        raise RuntimeError(f"warmup failed: {failed.error}")
+    while engine.active:
+        engine.step()

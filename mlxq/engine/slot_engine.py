@@ -10,14 +10,14 @@ are prefilled as their own batch (:mod:`mlxq.engine.slot_prefill`) and written i
 slots; each decode step then feeds every row one token at its own position.
 
 Per-step logits processing over the whole batch: ``hooks`` is a list of
-:class:`BatchLogitsHook`. After the per-row processors (repetition penalty) and before
-sampling, each hook's ``process(logits, rows)`` gets the step's ``[rows, vocab]`` logits
-(one row per decoding job, in slot order; free slots are already dropped) with
-``rows`` the jobs' keys, and returns new logits (e.g. a grammar mask filled once for
-all constrained rows, applied on the device). After sampling, ``accept(rows, tokens)``
-gets each row's chosen token (EOS included) so a matcher can advance. A hook hears of a
-job when it starts decoding (``admit(key, request)``) and when it leaves, for any
-reason (``release(key)``).
+:class:`~mlxq.engine.protocol.BatchLogitsHook`. After the per-row processors
+(repetition penalty) and before sampling, each hook's ``process(logits, rows)`` gets the
+step's ``[rows, vocab]`` logits (one row per decoding job, in slot order; free slots are
+already dropped) with ``rows`` the jobs' keys, and returns new logits (e.g. a grammar
+mask filled once for all constrained rows, applied on the device). After sampling,
+``accept(rows, tokens)`` gets each row's chosen token (EOS included) so a matcher can
+advance. A hook hears of a job when it starts decoding (``admit(key, request)``) and
+when it leaves, for any reason (``release(key)``).
 
 With ``prefix_cache_bytes``, a job starts from the stored KV of a recurring prompt prefix
 (:mod:`mlxq.engine.prefix_cache`): the prefix is written into its group's rows and only
@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -40,7 +40,8 @@ from mlxq.engine.attention import choose_kernel
 from mlxq.engine.hardware import backend_name
 from mlxq.engine.model_facts import model_info
 from mlxq.engine.prefix_cache import Plan, make_prefix_cache
-from mlxq.engine.prompts import WARMUP_KEY, JobInputError, PromptEncoder, error_line
+from mlxq.engine.prompts import JobInputError, PromptEncoder, error_line
+from mlxq.engine.protocol import BatchLogitsHook, warm_up
 from mlxq.engine.sampling import (
     Completion,
     EngineJob,
@@ -60,18 +61,6 @@ log = logging.getLogger("mlxq.engine.slot_engine")
 JOIN_WAIT_STEPS = 4
 # Rows per attention group (each attends up to its own longest row).
 GROUP_ROWS = 64
-
-
-class BatchLogitsHook(Protocol):
-    """Logits processing over the whole batch, once per decode step (module docstring)."""
-
-    def admit(self, key: str, request: Request) -> None: ...
-
-    def process(self, logits: mx.array, rows: list[str]) -> mx.array: ...
-
-    def accept(self, rows: list[str], tokens: list[int]) -> None: ...
-
-    def release(self, key: str) -> None: ...
 
 
 @dataclass
@@ -96,22 +85,12 @@ class _Waiting:
 class SlotEngine:
     """Continuous batching of generation jobs over one model on slot caches."""
 
-    def __init__(self, model: str, *, adapter_path: str | None = None, **options: Any) -> None:
-        """Load ``model`` with ``mlx_lm.load``; options as :meth:`from_loaded`."""
-        import mlx_lm
-
-        loaded, tokenizer = mlx_lm.load(model, adapter_path=adapter_path)
-        self._setup(loaded, tokenizer, model, **options)
-
     @classmethod
     def from_loaded(cls, model: nn.Module, tokenizer: Any, name: str, **options: Any) -> SlotEngine:
-        """An engine over a loaded model: ``max_batch``, ``prefill_batch``, ``prefill_step``,
-        ``prefix_cache_bytes``, ``attention`` ("gqa"/"fused"), ``hooks``."""
-        engine = cls.__new__(cls)
-        engine._setup(model, tokenizer, name, **options)
-        return engine
+        """The constructor, spelled as the BatchGenerator engine's."""
+        return cls(model, tokenizer, name, **options)
 
-    def _setup(
+    def __init__(
         self,
         model: nn.Module,
         tokenizer: Any,
@@ -124,6 +103,12 @@ class SlotEngine:
         attention: str | None = None,
         hooks: list[BatchLogitsHook] | None = None,
     ) -> None:
+        """An engine over a loaded mlx-lm model and its ``TokenizerWrapper``.
+
+        ``attention`` overrides the decode attention chosen for the backend ("gqa" or
+        "fused"); ``hooks`` process each decode step's logits (module docstring).
+        Raises ``ValueError`` if the model's cache cannot live in slots.
+        """
         why = mlx_lm_seam.unsupported(model)
         if why is not None:
             raise ValueError(f"the slot engine cannot run {name}: {why}")
@@ -198,9 +183,7 @@ class SlotEngine:
             self._prompts.check_tokens(tokens, job.request.max_tokens)
         except JobInputError as exc:
             return Completion(job.key, "error", error=str(exc), admitted_at=now, finished_at=now)
-        detokenizer = self.tokenizer.detokenizer if job.request.stop else None
-        run = RunningJob(job, tokens, detokenizer, now)
-        run.logprobs = None if job.request.logprobs is None else []
+        run = RunningJob.start(job, tokens, self.tokenizer, now)
         self._stats.prompt_tokens += len(tokens)
         if self._prefix is not None:
             self._prefix.observe(tokens)
@@ -220,13 +203,7 @@ class SlotEngine:
 
     def warmup(self) -> None:
         """Run one tiny generation so that the first real jobs skip compile/alloc costs."""
-        if self.active:
-            return
-        failed = self.add(EngineJob(WARMUP_KEY, Request(prompt="Hello, world", max_tokens=4)))
-        if failed is not None:
-            raise RuntimeError(f"warmup failed: {failed.error}")
-        while self.active:
-            self.step()
+        warm_up(self)
 
     def close(self) -> None:
         """Drop all jobs and the slot cache."""
@@ -398,13 +375,8 @@ class SlotEngine:
             else:
                 row.next_input = token
                 if run.job.request.stream:
-                    self._stream_out(run)
+                    run.stream_update(self.tokenizer, self._chunks)
         return done
-
-    def _stream_out(self, run: RunningJob) -> None:
-        chunk = run.stream_chunk(self.tokenizer.decode(run.tokens).rstrip("\ufffd"))
-        if chunk is not None:  # ("\ufffd": a character split across tokens, held back)
-            self._chunks.append(chunk)
 
     def _finish(self, slot: int, reason: FinishReason, error: str | None = None) -> Completion:
         row = self._rows.pop(slot)
@@ -415,13 +387,7 @@ class SlotEngine:
             hook.release(run.job.key)
         if run.plan is not None:
             run.plan.release()
-        done = run.completion(reason, self.tokenizer.decode(run.tokens), error)
-        if run.job.request.stream:  # the rest of its output, before it is reported done
-            rest_ids = done.token_ids[run.streamed_tokens :]
-            rest_text = done.text[run.streamed_chars :]
-            if rest_ids or rest_text:
-                self._chunks.append(StreamChunk(run.job.key, rest_text, rest_ids))
-        return done
+        return run.finish(reason, self.tokenizer, self._chunks, error)
 
     def _fail_batch(self, exc: Exception) -> list[Completion]:
         """Fail the decoding jobs; keep the waiting ones; start from a fresh slot cache."""
