@@ -23,8 +23,7 @@ import argparse
 import contextlib
 import gc
 import inspect
-import math
-import random
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -47,17 +46,13 @@ from common import (
     work_burst,
     write_json,
 )
+from workloads import SEED, WORKLOADS, Workload, make_workload
 
-MODES = ("naive", "batch_generate", "raw", "mlxq")
-WORKLOADS = ("uniform", "mixed", "prefix")
-# mixed: prompt and output lengths drawn log-uniformly from these ranges (inclusive).
-MIXED_PROMPT = (16, 1024)
-MIXED_GEN = (16, 256)
-# prefix: unique suffix lengths after the shared prefix.
-PREFIX_SUFFIX = (8, 32)
+MODES = ("naive", "batch_generate", "raw", "mlxq", "mlxq-bg")
 # --prefix-cache: the engine's prefix cache gets this share of the scheduler's KV budget.
 PREFIX_CACHE_SHARE = 0.1
-SEED = 0
+# --workload realistic: the headline workloads and their uniform twins.
+REALISTIC = ("varied", "varied-twin", "mixed", "mixed-twin")
 
 
 # -- model -------------------------------------------------------------------------------
@@ -94,55 +89,6 @@ def token_pool(tokenizer: Any, vocab_size: int) -> list[int]:
     special = set(getattr(tokenizer, "all_special_ids", None) or [])
     special |= set(tokenizer.eos_token_ids)
     return [i for i in range(min(len(tokenizer), vocab_size)) if i not in special]
-
-
-# -- workloads ---------------------------------------------------------------------------
-@dataclass
-class Workload:
-    """The requests every mode runs: prompts as token ids and their ``max_tokens``."""
-
-    name: str
-    label: str
-    prompts: list[list[int]]
-    max_tokens: list[int]
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def gen_tokens(self) -> int:
-        return sum(self.max_tokens)
-
-
-def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
-    return min(hi, max(lo, round(math.exp(rng.uniform(math.log(lo), math.log(hi))))))
-
-
-def make_workload(kind: str, args: argparse.Namespace, pool: list[int]) -> Workload:
-    """The requests of one workload, the same on every run (fixed seed)."""
-    rng = random.Random(f"{kind}-{SEED}")
-    n = args.requests
-    if kind == "uniform":
-        p, g = args.prompt_tokens, args.gen_tokens
-        prompts = [rng.choices(pool, k=p) for _ in range(n)]
-        return Workload(kind, f"uniform {n} x ({p}+{g})", prompts, [g] * n)
-    if kind == "mixed":
-        lens = [_log_uniform(rng, *MIXED_PROMPT) for _ in range(n)]
-        gens = [_log_uniform(rng, *MIXED_GEN) for _ in range(n)]
-        prompts = [rng.choices(pool, k=k) for k in lens]
-        label = (
-            f"mixed {n} x ({MIXED_PROMPT[0]}..{MIXED_PROMPT[1]} + {MIXED_GEN[0]}..{MIXED_GEN[1]}"
-            f" log-uniform, mean {sum(lens) / n:.0f}+{sum(gens) / n:.0f})"
-        )
-        return Workload(kind, label, prompts, gens)
-    if kind == "prefix":
-        shared, g = rng.choices(pool, k=args.prefix_tokens), args.gen_tokens
-        prompts = [shared + rng.choices(pool, k=rng.randint(*PREFIX_SUFFIX)) for _ in range(n)]
-        lo, hi = PREFIX_SUFFIX
-        label = f"prefix {n} x ({args.prefix_tokens} shared + {lo}..{hi} unique + {g})"
-        return Workload(kind, label, prompts, [g] * n)
-    raise ValueError(f"unknown workload {kind!r}")
 
 
 # -- results -----------------------------------------------------------------------------
@@ -282,23 +228,27 @@ def run_mlxq(
     profile: Any,
     url: str,
     prefix_cache_bytes: int = 0,
+    engine: str = "slot",
 ):
     """Submit, run a burst worker on the main thread, read every result back.
+
+    ``engine``: "slot" (mlxq's default engine) or "batch_generator" (mode ``mlxq-bg``).
 
     The prompt tok/s is effective: the requests' prompt tokens over the engine's prefill
     time (``Engine.stats()``), so prompt tokens taken from the prefix cache count too.
     """
     from mlxq.broker.batches import connect, iter_batch_results, submit
-    from mlxq.engine.mlx_lm_batch import Engine
+    from mlxq.engine.protocol import BatchEngine
     from mlxq.engine.runner import Runner
     from mlxq.wire import Request
     from mlxq.worker.launch import build_scheduler, engine_for
     from mlxq.worker.rq_worker import MlxqWorker
 
     readings: dict[str, Any] = {}
+    kind = engine
 
-    def make_engine(_facts: object) -> Engine:  # as mlxq.worker.launch.make_runner, loaded model
-        engine = engine_for(model, tokenizer, name, profile, prefix_cache_bytes)
+    def make_engine(_facts: object) -> BatchEngine:  # as launch.make_runner, loaded model
+        engine = engine_for(model, tokenizer, name, profile, prefix_cache_bytes, engine=kind)
         readings["start"] = engine.stats()
         return engine
 
@@ -327,7 +277,7 @@ def run_mlxq(
     gen = sum(r.usage.completion_tokens for r in done)
     start, end = readings["start"], runner.engine.stats()
     prefill_s = end.prefill_seconds - start.prefill_seconds
-    mode = "mlxq+prefix" if prefix_cache_bytes else "mlxq"
+    mode = ("mlxq" if engine == "slot" else "mlxq-bg") + ("+prefix" if prefix_cache_bytes else "")
     result = ModeResult(mode, wall, gen, wl.prompt_tokens, rate(wl.prompt_tokens, prefill_s))
     result.peak_gb = _peak_gb()
     result.expected_gen_tokens, result.errors = wl.gen_tokens, len(results) - len(done)
@@ -431,8 +381,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="random-weight model built in memory",
     )
     src.add_argument("--model", help="a model folder or hub id for mlx_lm.load instead")
-    ap.add_argument("--workload", default="uniform", choices=[*WORKLOADS, "all"])
+    ap.add_argument(
+        "--workload",
+        default="uniform",
+        help="comma-separated: " + ", ".join(WORKLOADS) + "; 'realistic' (varied and mixed "
+        "with their uniform twins) or 'all'",
+    )
     ap.add_argument("--requests", type=int, default=256, help="requests per workload")
+    ap.add_argument(
+        "--queue-factor",
+        type=int,
+        default=None,
+        help="requests = this many times the batch (overrides --requests): a queue deeper "
+        "than the batch, refilled as jobs finish",
+    )
+    ap.add_argument(
+        "--export-jsonl",
+        metavar="DIR",
+        help="also write each workload as DIR/NAME.jsonl (input for `mlxq run`)",
+    )
     ap.add_argument("--prompt-tokens", type=int, default=128, help="uniform: prompt length")
     ap.add_argument(
         "--gen-tokens",
@@ -490,6 +457,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad or not modes:
         ap.error(f"--modes: unknown {', '.join(bad) or '(none given)'}; choose from {MODES}")
     args.modes = [m for m in MODES if m in modes]
+    names = [w.strip() for w in args.workload.split(",") if w.strip()]
+    expand = {"all": WORKLOADS, "realistic": REALISTIC}
+    args.workloads = [w for n in names for w in expand.get(n, (n,))]
+    if not args.workloads or (bad := sorted(set(args.workloads) - set(WORKLOADS))):
+        ap.error(f"--workload: unknown {args.workload!r}; choose from {WORKLOADS}")
+    if args.queue_factor is not None and args.queue_factor < 1:
+        ap.error("--queue-factor must be at least 1")
     if args.requests < 1 or args.prompt_tokens < 1 or args.gen_tokens < 1:
         ap.error("--requests, --prompt-tokens and --gen-tokens must be at least 1")
     if args.repeat < 1:
@@ -538,10 +512,10 @@ def main(argv: list[str] | None = None) -> int:
     bg_batch = defaults["completion_batch_size"].default
     bg_prefill = defaults["prefill_batch_size"].default
 
-    workloads = [
-        make_workload(k, args, pool)
-        for k in (WORKLOADS if args.workload == "all" else [args.workload])
-    ]
+    n = args.requests if args.queue_factor is None else args.queue_factor * batch
+    workloads = [make_workload(k, args, pool, n) for k in args.workloads]
+    if args.export_jsonl:
+        export_jsonl(workloads, Path(args.export_jsonl))
     for wl in workloads:
         longest = max(len(p) + m for p, m in zip(wl.prompts, wl.max_tokens, strict=True))
         if longest > info.context_length:
@@ -576,7 +550,8 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: v for k, v in vars(args).items() if k != "json"},
         "workloads": [],
     }
-    server = redis_url(args.redis_url) if "mlxq" in args.modes else contextlib.nullcontext("")
+    queued = any(m.startswith("mlxq") for m in args.modes)
+    server = redis_url(args.redis_url) if queued else contextlib.nullcontext("")
     with server as url:
         for wl in workloads:
             prefill_batch = prefill_for(wl)
@@ -584,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
             for mode in args.modes:
                 # The prefix cache's settings: off (0 bytes) and/or on, per --prefix-cache.
                 caches = [0]
-                if mode == "mlxq" and wl.name == "prefix" and args.prefix_cache != "off":
+                if mode.startswith("mlxq") and wl.name == "prefix" and args.prefix_cache != "off":
                     on = max(1, int(scheduler.budget_bytes * PREFIX_CACHE_SHARE))
                     caches = [on] if args.prefix_cache == "on" else [0, on]
                 for cache_bytes in caches:
@@ -600,7 +575,10 @@ def main(argv: list[str] | None = None) -> int:
                         elif mode == "raw":
                             r = run_raw(model, wl, batch, prefill_batch, profile.prefill_step)
                         else:
-                            r = run_mlxq(model, tokenizer, name, wl, profile, url, cache_bytes)
+                            engine = "slot" if mode == "mlxq" else "batch_generator"
+                            r = run_mlxq(
+                                model, tokenizer, name, wl, profile, url, cache_bytes, engine
+                            )
                         runs.append(r)
                     results.append(median_run(runs))
             header = (
@@ -614,10 +592,39 @@ def main(argv: list[str] | None = None) -> int:
             print(report(header, results, wl))
             sys.stdout.flush()
             out["workloads"].append(_workload_json(wl, results))
+        if twins := twin_ratios(out["workloads"]):
+            print()
+            print(twins)
     _fresh()
     if args.json:
         write_json(args.json, out)
     return 0
+
+
+def export_jsonl(workloads: list[Workload], folder: Path) -> None:
+    """Write each workload's requests as FOLDER/NAME.jsonl, for `mlxq run`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for wl in workloads:
+        lines = (json.dumps(row) for row in wl.jsonl())
+        (folder / f"{wl.name}.jsonl").write_text("\n".join(lines) + "\n")
+    print(f"wrote {len(workloads)} workloads to {folder}/", file=sys.stderr)
+
+
+def twin_ratios(workloads: list[dict[str, Any]]) -> str:
+    """Each varied workload's gen tok/s over its uniform twin's, mode by mode."""
+    by_name = {w["workload"]: {m["mode"]: m["gen_tps"] for m in w["modes"]} for w in workloads}
+    lines = []
+    for name, modes in by_name.items():
+        twin = by_name.get(f"{name}-twin")
+        if twin is None:
+            continue
+        pairs = [
+            f"{mode} {fmt_ratio(tps, twin.get(mode))}"
+            for mode, tps in modes.items()
+            if mode in twin
+        ]
+        lines.append(f"{name} vs its uniform twin (gen tok/s): " + ", ".join(pairs))
+    return "\n".join(lines)
 
 
 class _InfoOnly:

@@ -46,32 +46,19 @@ from mlxq.engine.sampling import (
     Completion,
     EngineJob,
     RunningJob,
-    Sampler,
     StreamChunk,
     make_job_sampler,
     token_logprobs,
 )
-from mlxq.engine.slot_cache import DecodeState, SlotCache, SlotLayer
+from mlxq.engine.slot_cache import SlotCache
+from mlxq.engine.slot_decode import Row, Step, launch
 from mlxq.engine.slot_prefill import prefill_group
 from mlxq.engine.stats import EngineStats
-from mlxq.wire import FinishReason, Request
+from mlxq.wire import FinishReason, Request, TokenLogprob
 
 log = logging.getLogger("mlxq.engine.slot_engine")
 # Joining jobs wait at most this many decode steps for their group to fill.
 JOIN_WAIT_STEPS = 4
-# Rows per attention group (each attends up to its own longest row).
-GROUP_ROWS = 64
-
-
-@dataclass
-class _Row:
-    """A decoding job: its slot, sampler, processors and the token it feeds next."""
-
-    run: RunningJob
-    slot: int
-    sampler: Sampler
-    processors: list[Any]
-    next_input: int
 
 
 @dataclass
@@ -123,13 +110,14 @@ class SlotEngine:
         log.info("slot engine: %s decode attention, batch %d", self.attention, max_batch)
         self._eos = set(tokenizer.eos_token_ids)
         self._cache = SlotCache(self.info.num_layers, max_batch)
-        self._rows: dict[int, _Row] = {}  # by slot
+        self._rows: dict[int, Row] = {}  # by slot
         self._keys: dict[str, int] = {}  # job key -> slot
         self._waiting: list[_Waiting] = []
         self._chunks: list[StreamChunk] = []
         self._prefix = make_prefix_cache(model, self.info, prefix_cache_bytes)
         self._stats = EngineStats()
         self._steps = 0
+        self._inflight: Step | None = None  # the decode step launched, not yet collected
 
     # -- the BatchEngine interface, bookkeeping --
 
@@ -210,6 +198,7 @@ class SlotEngine:
         self._rows.clear()
         self._keys.clear()
         self._waiting.clear()
+        self._inflight = None
         if self._prefix is not None:
             self._prefix.clear()
         self._cache = SlotCache(self.info.num_layers, self.max_batch)
@@ -224,6 +213,8 @@ class SlotEngine:
         done = self._join() if self._join_due() else []
         if self._rows:
             done += self._decode()
+        elif self._inflight is not None:  # its rows all left (cancelled)
+            self._inflight = None
         self._steps += 1
         return done
 
@@ -293,73 +284,61 @@ class SlotEngine:
         processors = [] if penalty is None else make_logits_processors(repetition_penalty=penalty)
         sampler = make_job_sampler(req, self.info.vocab_size)
         w.run.plan = w.plan
-        self._rows[slot] = _Row(w.run, slot, sampler, processors, w.run.prompt[-1])
+        self._rows[slot] = Row(w.run, slot, sampler, processors, w.run.prompt[-1])
         self._keys[w.run.job.key] = slot
         for hook in self.hooks:
             hook.admit(w.run.job.key, req)
 
     def _decode(self) -> list[Completion]:
-        """One token for every row: forward, processors, hooks, sampling, bookkeeping."""
-        tic = time.perf_counter()
-        width = max(self._rows) + 1
-        lengths = self._cache.lengths[:width]
-        self._cache.reserve(max(lengths) + 1)
-        rows = [self._rows.get(s) for s in range(width)]
-        inputs = mx.array([0 if r is None else r.next_input for r in rows])[:, None]
-        state = DecodeState.make(lengths, GROUP_ROWS, self._kernel)
-        layers = [SlotLayer(self._cache, i, state) for i in range(self.info.num_layers)]
-        try:
-            logits = self.model(inputs, cache=layers)[:, -1, :]
-            live = [r for r in rows if r is not None]
-            if len(live) < width:
-                logits = logits[mx.array([r.slot for r in live])]
-            tokens, logprobs = self._sample(live, logits)
-        except Exception as exc:
-            return self._fail_batch(exc)
-        self._stats.generated_tokens += len(live)
+        """Launch the next decode step, then collect the one before it (module docstring
+        of :mod:`mlxq.engine.slot_decode`); synchronous when a row needs host tokens."""
+        tic, done = time.perf_counter(), []
+        sync = bool(self.hooks) or any(r.processors for r in self._rows.values())
+        if sync and self._inflight is not None:
+            done += self._collect(self._inflight)
+            self._inflight = None
+        prev, rows, step = self._inflight, self._launchable(), None
+        if rows:
+            try:
+                step = launch(self.model, self._cache, self._kernel, rows, prev, self.hooks, tic)
+            except Exception as exc:
+                return done + self._fail_batch(exc)
+        self._inflight = None if sync else step
+        if prev is not None:
+            done += self._collect(prev)
+        if sync and step is not None:
+            done += self._collect(step)
         self._stats.decode_seconds += time.perf_counter() - tic
-        return self._advance(live, tokens, logprobs)
+        return done
 
-    def _sample(self, live: list[_Row], logits: mx.array) -> tuple[list[int], mx.array]:
-        if any(r.processors for r in live):
-            parts = []
-            for i, r in enumerate(live):
-                row = logits[i : i + 1]
-                if r.processors:
-                    context = mx.array(r.run.prompt + r.run.tokens)
-                    for processor in r.processors:
-                        row = processor(context, row)
-                parts.append(row)
-            logits = mx.concatenate(parts, axis=0)
-        keys = [r.run.job.key for r in live]
-        for hook in self.hooks:
-            logits = hook.process(logits, keys)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        samplers = [r.sampler for r in live]
-        if all(s is samplers[0] for s in samplers):
-            sampled = samplers[0](logprobs)
-        else:
-            sampled = mx.concatenate(
-                [s(logprobs[i : i + 1]) for i, s in enumerate(samplers)], axis=0
-            )
-        mx.eval(sampled)
-        tokens = sampled.tolist()
-        for hook in self.hooks:
-            hook.accept(keys, tokens)
-        return tokens, logprobs
+    def _launchable(self) -> list[Row]:
+        """Rows to decode next, in slot order: all but those whose step in flight gives
+        them their last token (``max_tokens``)."""
+        step = self._inflight
+        pending = set() if step is None else {id(r) for r in step.rows}
+        return [
+            r
+            for _, r in sorted(self._rows.items())
+            if len(r.run.tokens) + (id(r) in pending) < r.run.job.request.max_tokens
+        ]
 
-    def _advance(self, live: list[_Row], tokens: list[int], logprobs: mx.array) -> list[Completion]:
+    def _collect(self, step: Step) -> list[Completion]:
+        """The step's tokens to the host: record them, finish rows that ended."""
+        try:
+            tokens = step.sampled.tolist()
+        except Exception as exc:
+            self._inflight = None
+            return self._fail_batch(exc)
+        live = [(i, r) for i, r in enumerate(step.rows) if self._rows.get(r.slot) is r]
+        if self.hooks:
+            keys = [r.run.job.key for _, r in live]
+            for hook in self.hooks:
+                hook.accept(keys, [tokens[i] for i, _ in live])
+        self._stats.generated_tokens += len(live)
+        lp = self._logprobs(step, tokens, live)
         now, done = time.time(), []
-        wanted = [i for i, r in enumerate(live) if r.run.job.request.logprobs is not None]
-        wanted = [i for i in wanted if tokens[i] not in self._eos]
-        lp = {}
-        if wanted:
-            ns = [live[i].run.job.request.logprobs or 0 for i in wanted]
-            picked = token_logprobs(logprobs[mx.array(wanted)], [tokens[i] for i in wanted], ns)
-            lp = dict(zip(wanted, picked, strict=True))
-        for i, (row, token) in enumerate(zip(live, tokens, strict=True)):
-            run = row.run
-            self._cache.lengths[row.slot] += 1  # the input token is now in its cache
+        for i, row in live:
+            token, run = tokens[i], row.run
             if run.first_token_at is None:
                 run.first_token_at = now
             run.last_token_at = now
@@ -378,6 +357,23 @@ class SlotEngine:
                     run.stream_update(self.tokenizer, self._chunks)
         return done
 
+    def _logprobs(
+        self, step: Step, tokens: list[int], live: list[tuple[int, Row]]
+    ) -> dict[int, TokenLogprob]:
+        """Logprobs of the step's rows that asked for them (not for EOS), by row index."""
+        wanted = [
+            (i, n)
+            for i, r in live
+            if (n := r.run.job.request.logprobs) is not None and tokens[i] not in self._eos
+        ]
+        if not wanted:
+            return {}
+        rows = mx.array([i for i, _ in wanted])
+        picked = token_logprobs(
+            step.logprobs[rows], [tokens[i] for i, _ in wanted], [n for _, n in wanted]
+        )
+        return {i: lp for (i, _), lp in zip(wanted, picked, strict=True)}
+
     def _finish(self, slot: int, reason: FinishReason, error: str | None = None) -> Completion:
         row = self._rows.pop(slot)
         run = row.run
@@ -393,6 +389,7 @@ class SlotEngine:
         """Fail the decoding jobs; keep the waiting ones; start from a fresh slot cache."""
         error = f"generation failed for the whole batch: {error_line(exc)}"
         failed = [self._finish(slot, "error", error) for slot in list(self._rows)]
+        self._inflight = None
         self._cache = SlotCache(self.info.num_layers, self.max_batch)
         mx.clear_cache()
         return failed

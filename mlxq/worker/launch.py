@@ -58,21 +58,27 @@ def make_runner(profile: WorkerProfile) -> Runner:
 
 
 def engine_for(
-    loaded: Any, tokenizer: Any, name: str, profile: WorkerProfile, prefix_cache_bytes: int
+    loaded: Any,
+    tokenizer: Any,
+    name: str,
+    profile: WorkerProfile,
+    prefix_cache_bytes: int,
+    engine: str | None = None,
 ) -> BatchEngine:
-    """A warmed-up engine over a loaded model (the slot engine where the model's cache
-    allows, see :mod:`mlxq.engine.factory`), sized as the profile says."""
-    engine = make_engine(
+    """A warmed-up engine over a loaded model, sized as the profile says: the slot engine
+    where the model's cache allows (``engine`` overrides, see :mod:`mlxq.engine.factory`)."""
+    made = make_engine(
         loaded,
         tokenizer,
         name,
+        engine=engine,
         max_batch=profile.max_batch or MAX_AUTO_BATCH,
         prefill_batch=profile.prefill_batch or DEFAULT_PREFILL_BATCH,
         prefill_step=profile.prefill_step,
         prefix_cache_bytes=prefix_cache_bytes,
     )
-    engine.warmup()
-    return engine
+    made.warmup()
+    return made
 
 
 def build_scheduler(engine: BatchEngine, facts: DeviceFacts, profile: WorkerProfile) -> Scheduler:
