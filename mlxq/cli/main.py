@@ -81,6 +81,17 @@ def _worker_options(f: Callable) -> Callable:
             "0 turns it off [default: 0.1].",
         ),
         click.option(
+            "--engine",
+            type=click.Choice(["slot", "batch_generator"]),
+            help="Batch engine [default: slot where the model's cache allows, else "
+            "mlx-lm's BatchGenerator].",
+        ),
+        click.option(
+            "--dequantize",
+            type=click.Choice(["auto", "on", "off"]),
+            help="Dequantize quantized weights at load [default: auto = on CUDA when they fit].",
+        ),
+        click.option(
             "--abandon-after",
             type=click.IntRange(3, 3600),
             help="Seconds without a heartbeat before other workers take this worker's jobs "

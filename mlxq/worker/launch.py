@@ -24,6 +24,7 @@ from mlxq.engine.scheduler import (
     memory_budget,
     split_budget,
 )
+from mlxq.engine.weights import prepare_weights
 from mlxq.wire import Result
 from mlxq.worker.profile import WorkerProfile
 from mlxq.worker.reporting import Reporter
@@ -48,6 +49,7 @@ def make_runner(profile: WorkerProfile) -> Runner:
 
     def load_engine(facts: DeviceFacts) -> BatchEngine:
         loaded, tokenizer = mlx_lm.load(model, adapter_path=profile.adapter_path)
+        loaded = prepare_weights(loaded, facts.backend, facts.memory_bytes, profile.dequantize)
         _, prefix_bytes = _budgets(facts, model_info(loaded, model).param_bytes, profile)
         return engine_for(loaded, tokenizer, model, profile, prefix_bytes)
 
@@ -71,7 +73,7 @@ def engine_for(
         loaded,
         tokenizer,
         name,
-        engine=engine,
+        engine=engine or profile.engine,
         max_batch=profile.max_batch or MAX_AUTO_BATCH,
         prefill_batch=profile.prefill_batch or DEFAULT_PREFILL_BATCH,
         prefill_step=profile.prefill_step,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -32,6 +32,10 @@ class WorkerProfile(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     abandon_after: Annotated[int, Meta(ge=3, le=3600)] = 30
     grace_period: Annotated[float, Meta(ge=0.0)] = 60.0
     name: str | None = None
+    # The batch engine: None runs the slot engine where the model's cache allows it.
+    engine: Literal["slot", "batch_generator"] | None = None
+    # Quantized weights: "auto" dequantizes them at load on CUDA when they fit.
+    dequantize: Literal["auto", "on", "off"] = "auto"
     # Serve Prometheus metrics on this port (needs the `metrics` extra).
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
 
