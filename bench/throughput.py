@@ -71,17 +71,30 @@ def preset_tokenizer() -> Any:
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Any, str]:
-    """``(model, tokenizer, name)``: a random-weight preset built in memory, or ``--model``."""
+    """``(model, tokenizer, name)``: a random-weight preset built in memory, or ``--model``;
+    quantized with ``--quantize``, then in the weight format mlxq's worker would pick
+    (``--dequantize``, :func:`mlxq.engine.weights.prepare_weights`) for every mode."""
+    from mlxq.engine.hardware import device_facts
+    from mlxq.engine.weights import prepare_weights
+
     if args.model:
         import mlx_lm
 
         model, tokenizer = mlx_lm.load(args.model)[:2]
-        return model, tokenizer, Path(args.model.rstrip("/")).name or args.model
+        name = Path(args.model.rstrip("/")).name or args.model
+    else:
+        from mlxq.engine.make_model import build_model
 
-    from mlxq.engine.make_model import build_model
+        model, _ = build_model(args.preset, seed=SEED)
+        tokenizer, name = preset_tokenizer(), args.preset
+    if args.quantize:
+        import mlx.nn as nn
 
-    model, _ = build_model(args.preset, seed=SEED)
-    return model, preset_tokenizer(), args.preset
+        nn.quantize(model, group_size=64, bits=args.quantize)
+        name += f"-{args.quantize}bit"
+    facts = device_facts()
+    model = prepare_weights(model, facts.backend, facts.memory_bytes, args.dequantize)
+    return model, tokenizer, name
 
 
 def token_pool(tokenizer: Any, vocab_size: int) -> list[int]:
@@ -449,6 +462,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--prefill-batch",
         type=int,
         help="mlxq's (and raw's) prefill batch size (default: the worker's default)",
+    )
+    ap.add_argument(
+        "--quantize", type=int, choices=(4, 8), help="quantize the weights to this many bits"
+    )
+    ap.add_argument(
+        "--dequantize",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="quantized weights at load, as the worker's --dequantize (auto: dequantized on "
+        "CUDA when they fit); applies to every mode",
     )
     ap.add_argument("--json", metavar="PATH", help="also write the figures here")
     args = ap.parse_args(argv)
