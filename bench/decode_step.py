@@ -7,7 +7,8 @@ token each, every row at that length) through:
   fused attention runs without a mask: the fused kernel's ceiling, not a batched engine;
 - ``BatchKVCache (masked SDPA)``: mlx-lm's batch cache, whose per-row mask (an array)
   takes MLX's ``scaled_dot_product_attention`` off its fused path on CUDA;
-- ``slot + gqa``: mlxq's slot cache with its own grouped-query attention;
+- ``slot + gqa``: mlxq's slot cache with its own grouped-query attention (and the same
+  through ``mx.compile``);
 - ``slot + fused``: mlxq's slot cache with MLX's fused attention and a bool length mask.
 
 Each figure is the median over ``--repeat`` timed steps (after ``--warmup``), the cache
@@ -27,11 +28,12 @@ from typing import Any
 
 from common import describe_device, fmt_num, fmt_ratio, table, use_openblas
 
-PATHS = ("kvcache", "batch", "slot-gqa", "slot-fused")
+PATHS = ("kvcache", "batch", "slot-gqa", "slot-gqa-compiled", "slot-fused")
 LABELS = {
     "kvcache": "kvcache (no mask)",
     "batch": "BatchKVCache (masked SDPA)",
     "slot-gqa": "slot + gqa",
+    "slot-gqa-compiled": "slot + gqa, mx.compile",
     "slot-fused": "slot + fused",
 }
 
@@ -86,7 +88,7 @@ def make_step(path: str, model: Any, info: Any, rows: int, length: int) -> Calla
     cache.values = [_kv(shape, dtype) for _ in layers]
     cache.capacity = cap
     mx.eval(cache.keys, cache.values)
-    kernel = KERNELS["gqa" if path == "slot-gqa" else "fused"]
+    kernel = KERNELS[path.removeprefix("slot-")]
 
     def step() -> Any:
         state = DecodeState.make([length] * rows, rows, kernel)

@@ -18,7 +18,7 @@ import test_engine as base
 from mlx_lm.utils import load_tokenizer
 from test_engine import REQUESTS, FlakyModel, check_against_reference, reference, run_all
 
-from mlxq.engine.attention import choose_kernel, fused_decode, gqa_decode
+from mlxq.engine.attention import KERNELS, choose_kernel, fused_decode, gqa_decode
 from mlxq.engine.factory import make_engine
 from mlxq.engine.mlx_lm_batch import Engine
 from mlxq.engine.protocol import BatchEngine
@@ -258,6 +258,8 @@ def test_decode_kernels_agree_and_free_rows_stay_finite() -> None:
     assert not mx.isnan(own).any().item()
     fused = fused_decode(q[:4], k[:4], v[:4], dim**-0.5, mask[:4])
     assert mx.allclose(own[:4], fused, atol=1e-5).item()
+    compiled = KERNELS["gqa-compiled"](q, k, v, dim**-0.5, mask)
+    assert mx.allclose(compiled, own, atol=1e-6).item()
     assert choose_kernel("cuda")[0] == "gqa" and choose_kernel("metal")[0] == "fused"
     with pytest.raises(ValueError, match="gqa"):
         choose_kernel("cpu", "flash")

@@ -14,7 +14,7 @@ where ``mask`` (``[rows, 1, 1, span]``, bool) marks each row's valid positions:
   kernel takes array masks at full speed.
 
 :func:`choose_kernel` picks one per backend once at start (``MLXQ_DECODE_ATTENTION``
-overrides: ``gqa`` or ``fused``) and the engine logs the choice.
+overrides: ``gqa``, ``gqa-compiled`` or ``fused``) and the engine logs the choice.
 """
 
 from __future__ import annotations
@@ -48,7 +48,13 @@ def fused_decode(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.a
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
-KERNELS: dict[str, Kernel] = {"gqa": gqa_decode, "fused": fused_decode}
+KERNELS: dict[str, Kernel] = {
+    "gqa": gqa_decode,
+    # The same, through mx.compile (fuses the cast, scale and mask into one kernel; traced
+    # once per shape): an option to measure, not a default.
+    "gqa-compiled": mx.compile(gqa_decode),
+    "fused": fused_decode,
+}
 
 
 def choose_kernel(backend: str, override: str | None = None) -> tuple[str, Kernel]:
