@@ -576,37 +576,34 @@ def main(argv: list[str] | None = None) -> int:
     queued = any(m.startswith("mlxq") for m in args.modes)
     server = redis_url(args.redis_url) if queued else contextlib.nullcontext("")
     with server as url:
-        for wl in workloads:
-            prefill_batch = prefill_for(wl)
-            results = []
-            for mode in args.modes:
-                # The prefix cache's settings: off (0 bytes) and/or on, per --prefix-cache.
-                caches = [0]
-                if mode.startswith("mlxq") and wl.name == "prefix" and args.prefix_cache != "off":
-                    on = max(1, int(scheduler.budget_bytes * PREFIX_CACHE_SHARE))
-                    caches = [on] if args.prefix_cache == "on" else [0, on]
-                for cache_bytes in caches:
+
+        def run_one(wl: Workload, mode: str, cache_bytes: int) -> ModeResult:
+            if mode == "naive":
+                return run_naive(model, tokenizer, wl, args.naive_requests)
+            if mode == "batch_generate":
+                return run_batch_generate(model, tokenizer, wl)
+            if mode == "raw":
+                return run_raw(model, wl, batch, prefill_for(wl), profile.prefill_step)
+            engine = "slot" if mode == "mlxq" else "batch_generator"
+            return run_mlxq(model, tokenizer, name, wl, profile, url, cache_bytes, engine)
+
+        # Repeats go round every workload and mode in turn, so a change in the load of a
+        # shared machine hits them alike.
+        variants = {wl.name: _variants(wl, args, scheduler.budget_bytes) for wl in workloads}
+        runs: dict[tuple[str, str, int], list[ModeResult]] = {}
+        for i in range(args.repeat):
+            for wl in workloads:
+                for mode, cache_bytes in variants[wl.name]:
+                    _fresh()
                     label = mode + ("+prefix" if cache_bytes else "")
-                    runs = []
-                    for i in range(args.repeat):
-                        _fresh()
-                        print(f"{wl.name}: {label} ({i + 1}/{args.repeat}) ...", file=sys.stderr)
-                        if mode == "naive":
-                            r = run_naive(model, tokenizer, wl, args.naive_requests)
-                        elif mode == "batch_generate":
-                            r = run_batch_generate(model, tokenizer, wl)
-                        elif mode == "raw":
-                            r = run_raw(model, wl, batch, prefill_batch, profile.prefill_step)
-                        else:
-                            engine = "slot" if mode == "mlxq" else "batch_generator"
-                            r = run_mlxq(
-                                model, tokenizer, name, wl, profile, url, cache_bytes, engine
-                            )
-                        runs.append(r)
-                    results.append(median_run(runs))
+                    print(f"{wl.name}: {label} ({i + 1}/{args.repeat}) ...", file=sys.stderr)
+                    key = (wl.name, mode, cache_bytes)
+                    runs.setdefault(key, []).append(run_one(wl, mode, cache_bytes))
+        for wl in workloads:
+            results = [median_run(runs[(wl.name, m, c)]) for m, c in variants[wl.name]]
             header = (
                 f"{model_line(info)} on {device} | workload {wl.label} | mlxq batch {batch} "
-                f"({how}), prefill batch {prefill_batch} | batch_generate: mlx-lm defaults "
+                f"({how}), prefill batch {prefill_for(wl)} | batch_generate: mlx-lm defaults "
                 f"(batch {bg_batch}, prefill batch {bg_prefill})"
             )
             if args.repeat > 1:
@@ -648,6 +645,19 @@ def twin_ratios(workloads: list[dict[str, Any]]) -> str:
         ]
         lines.append(f"{name} vs its uniform twin (gen tok/s): " + ", ".join(pairs))
     return "\n".join(lines)
+
+
+def _variants(wl: Workload, args: argparse.Namespace, budget: int) -> list[tuple[str, int]]:
+    """(mode, prefix cache bytes) to run on a workload: the cache off (0) and/or on, per
+    ``--prefix-cache``, for the mlxq modes on the prefix workload."""
+    out = []
+    for mode in args.modes:
+        caches = [0]
+        if mode.startswith("mlxq") and wl.name == "prefix" and args.prefix_cache != "off":
+            on = max(1, int(budget * PREFIX_CACHE_SHARE))
+            caches = [on] if args.prefix_cache == "on" else [0, on]
+        out += [(mode, c) for c in caches]
+    return out
 
 
 class _InfoOnly:

@@ -112,6 +112,7 @@ class DecodeState:
     groups: list[tuple[int, int, int]]
     masks: list[mx.array]
     kernel: Kernel
+    write_at: tuple[mx.array, mx.array, mx.array] | None = None  # scatter indices, per step
 
     @classmethod
     def make(cls, lengths: list[int], group_rows: int, kernel: Kernel) -> DecodeState:
@@ -135,12 +136,16 @@ class SlotLayer:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write each row's new key and value at its own position; return the layer's arrays."""
-        c, layer, rows = self.cache, self.layer, keys.shape[0]
-        row_idx = mx.arange(rows)[:, None]
-        head_idx = mx.arange(keys.shape[1])[None, :]
-        pos = self.state.positions[:, None]
-        c.keys[layer][row_idx, head_idx, pos] = keys[:, :, 0, :]
-        c.values[layer][row_idx, head_idx, pos] = values[:, :, 0, :]
+        c, layer, state = self.cache, self.layer, self.state
+        if state.write_at is None:  # the same for every layer: made once per step
+            rows, heads = keys.shape[:2]
+            state.write_at = (
+                mx.arange(rows)[:, None],
+                mx.arange(heads)[None, :],
+                state.positions[:, None],
+            )
+        c.keys[layer][state.write_at] = keys[:, :, 0, :]
+        c.values[layer][state.write_at] = values[:, :, 0, :]
         return c.keys[layer], c.values[layer]
 
     def make_mask(self, n: int, **_: object) -> None:
