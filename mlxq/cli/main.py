@@ -8,6 +8,7 @@ import functools
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ from mlxq.broker import batches as q
 from mlxq.broker import keys
 from mlxq.cli.batches import BATCH_COMMANDS, emit_results, progress_bar, read_file
 from mlxq.cli.fleet import workers
-from mlxq.cli.support import connect, fail, redis_option
+from mlxq.cli.support import check_port_free, connect, fail, redis_option
+from mlxq.errors import StartupError
 from mlxq.wire import Result, json_encoder
 
 MODEL_COMMANDS = {"worker", "run", "make-model"}
@@ -203,13 +205,17 @@ def run(
     batch, serves it with an in-process worker, writes OUTPUT and stops the server.
     """
     from mlxq.server import embedded
-    from mlxq.worker.launch import run_worker
+    from mlxq.worker.launch import make_runner, run_worker
 
     # A progress bar shows the run; per-job log lines would drown it.
     log_level = "WARNING" if log_level.upper() == "INFO" else log_level
     _setup_logging(log_level, log_format)
     prof = _profile(profile, **settings)
     parsed = read_file(file, skip_invalid)
+    # The model loads before the batch exists: a model that cannot load leaves nothing.
+    runner = make_runner(prof)
+    click.echo(f"loading {prof.model}", err=True)
+    runner.start()
     server = contextlib.nullcontext(redis_url) if redis_url else embedded()
     with server as url:
         conn = connect(url)
@@ -243,6 +249,7 @@ def run(
                 queues=[queue_name],
                 on_finish=on_finish,
                 log_level=log_level,
+                runner=runner,
             )
         s = q.batch_status(conn, batch_id)
         elapsed = time.monotonic() - start
@@ -293,6 +300,7 @@ def server(port: int, host: str, data_dir: Path, no_persist: bool, password: str
             f"refusing to listen on {host} without --password: anyone on the network "
             "could read and write your queues"
         )
+    check_port_free(host, port, "--port")
     srv = make_server(
         port=port, host=host, data_dir=data_dir, persist=not no_persist, password=password
     )
@@ -323,10 +331,12 @@ def server(port: int, host: str, data_dir: Path, no_persist: bool, password: str
 def make_model_cmd(dest: Path, preset: str, seed: int, as_json: bool) -> None:
     """Write a random-weight model that mlx_lm.load reads (offline tests and benchmarks)."""
     from mlxq.engine.make_model import PRESETS, make_model
+    from mlxq.engine.model_source import resolve_model
 
     if preset not in PRESETS:
         fail(f"unknown preset {preset!r}; choose one of {', '.join(sorted(PRESETS))}")
     path = make_model(dest, preset=preset, seed=seed)
+    resolve_model(str(path))  # what `mlxq run --model` will check: refuse a bad output now
     if as_json:
         click.echo(
             json_encoder.encode({"path": str(path), "preset": preset, "seed": seed}).decode()
@@ -340,6 +350,27 @@ for command in (*BATCH_COMMANDS, workers):
 cli.add_command(api_command, name="api")
 
 
+def _debug_requested(argv: list[str]) -> bool:
+    """Whether the command line asks for ``--log-level debug`` (tracebacks included)."""
+    for i, arg in enumerate(argv):
+        value = arg.partition("=")[2] if arg.startswith("--log-level=") else None
+        if arg == "--log-level" and i + 1 < len(argv):
+            value = argv[i + 1]
+        if value is not None and value.upper() == "DEBUG":
+            return True
+    return False
+
+
+def _run_cli() -> None:
+    """Run the command; a start-up failure becomes one line on stderr and exit 1."""
+    try:
+        cli(standalone_mode=True)
+    except StartupError as e:
+        if _debug_requested(sys.argv):
+            traceback.print_exc()
+        fail(str(e), e.exit_code)
+
+
 def main() -> None:
     """Console entry point: speeds up Linux CPU MLX with OpenBLAS for model commands."""
     runs_mlx = len(sys.argv) > 1 and sys.argv[1] in MODEL_COMMANDS
@@ -348,7 +379,7 @@ def main() -> None:
 
         reexec_with_openblas()
     try:
-        cli(standalone_mode=True)
+        _run_cli()
     except SystemExit as e:
         if not runs_mlx:
             raise
