@@ -263,3 +263,16 @@ def test_decode_kernels_agree_and_free_rows_stay_finite() -> None:
     assert choose_kernel("cuda")[0] == "gqa" and choose_kernel("metal")[0] == "fused"
     with pytest.raises(ValueError, match="gqa"):
         choose_kernel("cpu", "flash")
+
+
+def test_lora_adapter_equals_mlx_lm(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from test_lora import JOBS, make_adapter
+
+    adapter = make_adapter(tiny_model_dir, tmp_path / "lora")
+    model, tokenizer = mlx_lm.load(str(tiny_model_dir), adapter_path=str(adapter))
+    engine = make_engine(model, tokenizer, "lora", max_batch=2, prefill_batch=2)
+    assert type(engine) is SlotEngine
+    done = run_all(engine, dict(JOBS), join_every=1)
+    for key, request in JOBS.items():
+        expected = reference(model, tokenizer, engine.encode(request), request)["tokens"]
+        assert done[key].token_ids == expected, key
