@@ -57,7 +57,7 @@ class Workload:
     def jsonl(self) -> list[dict[str, object]]:
         """The requests as ``mlxq run`` input lines."""
         return [
-            {"id": f"r{i}", "prompt": p, "max_tokens": m}
+            {"custom_id": f"r{i}", "prompt": p, "max_tokens": m}
             for i, (p, m) in enumerate(zip(self.prompts, self.max_tokens, strict=True))
         ]
 
