@@ -6,8 +6,9 @@ per-job samplers, seeds, repetition penalty, stop strings, logprobs, streaming, 
 :class:`~mlxq.engine.slot_cache.SlotCache`. A finished job frees its slot with no tensor
 work. Joining jobs wait until a group of them is worth a prefill call (hysteresis: at
 least ``join_group`` waiting, or nothing decoding, or waited ``JOIN_WAIT_STEPS`` steps),
-are prefilled as their own batch (:mod:`mlxq.engine.slot_prefill`) and written into free
-slots; each decode step then feeds every row one token at its own position.
+are prefilled as their own batch (:mod:`mlxq.engine.slot_prefill`; prompts within 2x of
+each other's length, so right-padding wastes little) and written into free slots; each
+decode step then feeds every row one token at its own position.
 
 Per-step logits processing over the whole batch: ``hooks`` is a list of
 :class:`~mlxq.engine.protocol.BatchLogitsHook`. After the per-row processors
@@ -26,6 +27,7 @@ the rest is prefilled; a job whose prefix recurs stores it from its rows after p
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -67,6 +69,12 @@ class _Waiting:
     plan: Plan | None = None
     planned: bool = False
     since_step: int = 0
+
+
+def _similar(n: int, base: int) -> bool:
+    """Whether prompts left to prefill of ``n`` and ``base`` tokens share a prefill call
+    (right-padded to the longer: within 2x, or 64 tokens, of each other)."""
+    return n <= 2 * base + 64 and base <= 2 * n + 64
 
 
 class SlotEngine:
@@ -145,10 +153,9 @@ class SlotEngine:
 
     def stats(self) -> EngineStats:
         """Counts of prompt, decode and prefix-cache work so far."""
-        out = EngineStats(**vars(self._stats))
+        out = dataclasses.replace(self._stats)
         if self._prefix is not None:
-            for k, v in self._prefix.counts().items():
-                setattr(out, k, v)
+            out = dataclasses.replace(out, **self._prefix.counts())
             out.prefill_seconds += self._prefix.seconds
         return out
 
@@ -228,7 +235,8 @@ class SlotEngine:
 
     def _join(self) -> list[Completion]:
         """Plan, prefill and seat the next group of waiting jobs (one prefill batch)."""
-        group, key = [], None
+        group: list[_Waiting] = []
+        key, base = None, 0
         limit = min(self.prefill_batch, self._cache.free_slots)
         for w in self._waiting:
             if len(group) >= limit:
@@ -239,10 +247,12 @@ class SlotEngine:
                     continue  # its prefix is being computed by another job: wait
                 w.planned = True
             leaf = w.plan.reused[-1] if w.plan is not None and w.plan.reused else None
-            if group and leaf is not key:
-                continue  # a different cached prefix: its own group
+            n = len(w.run.prompt) - (w.plan.reused_tokens if w.plan is not None else 0)
+            if group and (leaf is not key or not _similar(n, base)):
+                continue  # another cached prefix, or padding it would waste: a later group
+            if not group:
+                key, base = leaf, n
             group.append(w)
-            key = leaf
         if not group:
             return []
         for w in group:
