@@ -78,6 +78,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         sliding_window=8,
         sliding_window_pattern=2,
     ),
+    # A CPU benchmark model: big enough that compute, not per-op overhead, sets the pace.
+    "cpu-small": {
+        **_TINY,
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 2,
+    },
     "llama-3.2-1b": {
         "model_type": "llama",
         "hidden_size": 2048,
