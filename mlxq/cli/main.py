@@ -324,7 +324,8 @@ def server(port: int, host: str, data_dir: Path, no_persist: bool, password: str
     "--preset",
     default="tiny",
     show_default=True,
-    help="Model shape: tiny, llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b.",
+    help="Model shape: tiny (and tiny-qwen2, tiny-qwen3, tiny-mistral, tiny-phi3, "
+    "tiny-gemma3), cpu-small, llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b.",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the path and shape as JSON.")
