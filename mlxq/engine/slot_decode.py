@@ -45,7 +45,6 @@ class Step:
     rows: list[Row]
     sampled: mx.array  # [rows]
     logprobs: mx.array  # [rows, vocab]
-    started: float
 
     def position(self) -> dict[int, int]:
         """Row index in this step by slot."""
@@ -59,7 +58,6 @@ def launch(
     rows: list[Row],
     prev: Step | None,
     hooks: list[BatchLogitsHook],
-    started: float,
 ) -> Step:
     """Start one decode step of ``rows`` (slot order); inputs of rows in ``prev`` come from
     its sampled tokens on the device. Advances each row's cache length by one."""
@@ -85,7 +83,7 @@ def launch(
         logits = logits[mx.array([r.slot for r in rows])]
     sampled, logprobs = sample(rows, logits, hooks)
     mx.async_eval(sampled, logprobs)
-    return Step(rows, sampled, logprobs, started)
+    return Step(rows, sampled, logprobs)
 
 
 def sample(

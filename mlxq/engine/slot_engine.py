@@ -310,7 +310,7 @@ class SlotEngine:
         prev, rows, step = self._inflight, self._launchable(), None
         if rows:
             try:
-                step = launch(self.model, self._cache, self._kernel, rows, prev, self.hooks, tic)
+                step = launch(self.model, self._cache, self._kernel, rows, prev, self.hooks)
             except Exception as exc:
                 return done + self._fail_batch(exc)
         self._inflight = None if sync else step
