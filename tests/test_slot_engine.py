@@ -56,8 +56,9 @@ def test_jobs_joining_mid_run_equal_single_requests(
 ) -> None:
     model, tokenizer = tiny
     sizes = {"max_batch": max_batch, "prefill_batch": prefill_batch, "prefill_step": prefill_step}
-    for attention in ("gqa", "fused"):
+    for attention, join_wait in (("gqa", 4), ("fused", 0)):  # joins in groups, or at once
         engine = SlotEngine.from_loaded(model, tokenizer, "tiny", attention=attention, **sizes)
+        engine.join_wait = join_wait
         done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, join_every)
         check_against_reference(tiny, engine, done)
         assert engine._cache.free_slots == max_batch  # every slot given back
