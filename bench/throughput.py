@@ -46,7 +46,7 @@ from common import (
     work_burst,
     write_json,
 )
-from workloads import SEED, WORKLOADS, Workload, make_workload
+from workloads import SEED, WORKLOADS, Workload, make_workload, step_bound
 
 MODES = ("naive", "batch_generate", "raw", "mlxq", "mlxq-bg")
 # --prefix-cache: the engine's prefix cache gets this share of the scheduler's KV budget.
@@ -612,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
             print(report(header, results, wl))
             sys.stdout.flush()
             out["workloads"].append(_workload_json(wl, results))
-        if twins := twin_ratios(out["workloads"]):
+        if twins := twin_ratios(out["workloads"], batch):
             print()
             print(twins)
     _fresh()
@@ -630,9 +630,11 @@ def export_jsonl(workloads: list[Workload], folder: Path) -> None:
     print(f"wrote {len(workloads)} workloads to {folder}/", file=sys.stderr)
 
 
-def twin_ratios(workloads: list[dict[str, Any]]) -> str:
-    """Each varied workload's gen tok/s over its uniform twin's, mode by mode."""
+def twin_ratios(workloads: list[dict[str, Any]], batch: int) -> str:
+    """Each varied workload's gen tok/s over its uniform twin's, mode by mode, and the best
+    ratio a fixed cost per decode step allows (:func:`workloads.step_bound`)."""
     by_name = {w["workload"]: {m["mode"]: m["gen_tps"] for m in w["modes"]} for w in workloads}
+    bounds = {w["workload"]: step_bound(w["max_tokens"], batch) for w in workloads}
     lines = []
     for name, modes in by_name.items():
         twin = by_name.get(f"{name}-twin")
@@ -643,7 +645,10 @@ def twin_ratios(workloads: list[dict[str, Any]]) -> str:
             for mode, tps in modes.items()
             if mode in twin
         ]
-        lines.append(f"{name} vs its uniform twin (gen tok/s): " + ", ".join(pairs))
+        lines.append(
+            f"{name} vs its uniform twin (gen tok/s): " + ", ".join(pairs) + f" (bound at a "
+            f"fixed cost per step, batch {batch}: {bounds[name]:.2f}x)"
+        )
     return "\n".join(lines)
 
 
@@ -697,6 +702,7 @@ def _workload_json(wl: Workload, results: list[ModeResult]) -> dict[str, Any]:
         "workload": wl.name,
         "label": wl.label,
         "requests": len(wl.prompts),
+        "max_tokens": wl.max_tokens,
         "prompt_tokens": wl.prompt_tokens,
         "gen_tokens": wl.gen_tokens,
         "modes": rows,

@@ -101,3 +101,20 @@ def make_workload(kind: str, args: argparse.Namespace, pool: list[int], n: int) 
         label = f"prefix {n} x ({args.prefix_tokens} shared + {lo}..{hi} unique + {g})"
         return Workload(kind, label, prompts, [g] * n)
     raise ValueError(f"unknown workload {kind!r}")
+
+
+def step_bound(max_tokens: list[int], batch: int) -> float:
+    """The best varied / uniform-twin ratio when every decode step costs the same whatever
+    its rows (a GPU's regime): twin steps over the steps of an ideal schedule that refills
+    each slot the moment its job ends, jobs in order. The tail, where the last long jobs
+    run with few rows, is what keeps it below 1."""
+    queue, active = list(max_tokens), []
+    steps = 0
+    while queue or active:
+        while queue and len(active) < batch:
+            active.append(queue.pop(0))
+        steps += 1
+        active = [n - 1 for n in active if n > 1]
+    mean = round(sum(max_tokens) / len(max_tokens))
+    twin = mean * -(-len(max_tokens) // batch)
+    return twin / steps
