@@ -5,8 +5,7 @@ per-job samplers, seeds, repetition penalty, stop strings, logprobs, streaming, 
 ``max_tokens``, EOS), without its whole-cache copies: every job owns a slot of
 :class:`~mlxq.engine.slot_cache.SlotCache`. A finished job frees its slot with no tensor
 work. Joining jobs wait until a group of them is worth a prefill call (hysteresis: at
-least ``join_group`` waiting, or nothing decoding, or waited ``JOIN_WAIT_STEPS`` steps;
-on the compute-bound CPU a prefill call costs what its tokens cost, so jobs join at once),
+least ``join_group`` waiting, or nothing decoding, or waited ``JOIN_WAIT_STEPS`` steps),
 are prefilled as their own batch (:mod:`mlxq.engine.slot_prefill`; prompts within 2x of
 each other's length, so right-padding wastes little) and written into free slots; each
 decode step then feeds every row one token at its own position.
@@ -61,7 +60,8 @@ from mlxq.wire import FinishReason, Request, TokenLogprob
 
 log = logging.getLogger("mlxq.engine.slot_engine")
 # Joining jobs wait at most this many decode steps for their group to fill.
-JOIN_WAIT_STEPS = {"cpu": 0, "metal": 4, "cuda": 4}
+# (Joining at once measured no better on the CPU, where a prefill call costs its tokens.)
+JOIN_WAIT_STEPS = 4
 
 
 @dataclass
@@ -115,9 +115,8 @@ class SlotEngine:
         self.max_batch, self.prefill_step = max_batch, prefill_step
         self.prefill_batch = max(1, min(prefill_batch, max_batch))
         self.hooks = list(hooks or [])
-        backend = backend_name()
-        self.attention, self._kernel = choose_kernel(backend, attention)
-        self.join_wait = JOIN_WAIT_STEPS.get(backend, 4)
+        self.attention, self._kernel = choose_kernel(backend_name(), attention)
+        self.join_wait = JOIN_WAIT_STEPS
         log.info("slot engine: %s decode attention, batch %d", self.attention, max_batch)
         self._eos = set(tokenizer.eos_token_ids)
         self._cache = SlotCache(self.info.num_layers, max_batch)
