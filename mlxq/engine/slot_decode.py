@@ -1,13 +1,15 @@
 """One decode step over the slot cache: inputs, forward, per-row processors, hooks, sampling.
 
 :func:`launch` builds and starts a step (``mx.async_eval``) without waiting for it; the
-engine collects the previous step's tokens while this one computes, so the device does
-not idle while Python does the bookkeeping. A row's input is its last token: known on
-the host (a joining row's last prompt token, or a collected token), or still on the
-device (the sampled token of the step in flight, which then feeds the next step without
-a round trip). Steps that need the tokens on the host first (per-row logits processors
-need the row's context; batch hooks advance matchers) are collected before the next one
-is launched.
+engine does the previous step's bookkeeping (tokens to the host, stop strings, finishes)
+while this one computes, so the device does not idle meanwhile. The previous step must
+have finished before the next one is built: a write into the cache while a computation
+that reads it is still pending copies the whole array (measured on the CPU: 320 ms a
+step instead of 17 for a 64-slot cache), so the engine waits for it first (a wait, not a
+round trip: its tokens stay on the device and feed the next step). A row's input is its
+last token: a joining row's last prompt token, or the token the previous step sampled.
+Steps that need the tokens on the host first (per-row logits processors need the row's
+context; batch hooks advance matchers) are collected before the next one is launched.
 """
 
 from __future__ import annotations

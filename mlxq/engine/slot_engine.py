@@ -268,6 +268,10 @@ class SlotEngine:
         prefix = self._prefix.kv_cache(plan) if plan is not None and self._prefix else None
         suffixes = [w.run.prompt[reused:-1] for w in group]
         tic = time.perf_counter()
+        if self._inflight is not None:
+            # Let the step in flight finish first: while its attention still reads the
+            # cache, writing the group's rows would copy every layer instead of updating it.
+            mx.eval(self._inflight.sampled, self._inflight.logprobs)
         try:
             rows = prefill_group(
                 self.model, self._cache, slots, suffixes, prefix, self.prefill_step
@@ -302,14 +306,19 @@ class SlotEngine:
             hook.admit(w.run.job.key, req)
 
     def _decode(self) -> list[Completion]:
-        """Launch the next decode step, then collect the one before it (module docstring
-        of :mod:`mlxq.engine.slot_decode`); synchronous when a row needs host tokens."""
+        """Wait for the step in flight, launch the next, then do the bookkeeping of the one
+        before while the next computes (:mod:`mlxq.engine.slot_decode`); synchronous when
+        a row needs host tokens."""
         tic, done = time.perf_counter(), []
         sync = bool(self.hooks) or any(r.processors for r in self._rows.values())
         if sync and self._inflight is not None:
             done += self._collect(self._inflight)
             self._inflight = None
         prev, rows, step = self._inflight, self._launchable(), None
+        if prev is not None:
+            # Wait for it (not for its bookkeeping): while a computation that reads the
+            # cache is pending, the next step's writes would copy every layer's cache.
+            mx.eval(prev.sampled, prev.logprobs)
         if rows:
             try:
                 step = launch(self.model, self._cache, self._kernel, rows, prev, self.hooks)
