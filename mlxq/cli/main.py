@@ -19,9 +19,12 @@ from mlxq.api import api_command
 from mlxq.broker import batches as q
 from mlxq.broker import keys
 from mlxq.cli.batches import BATCH_COMMANDS, emit_results, progress_bar, read_file
+from mlxq.cli.dashboard import dashboard
 from mlxq.cli.fleet import workers
 from mlxq.cli.support import check_port_free, connect, fail, redis_option
+from mlxq.cli.tables import input_options
 from mlxq.errors import StartupError
+from mlxq.formats.tables import InputOptions
 from mlxq.wire import Result, json_encoder
 
 MODEL_COMMANDS = {"worker", "run", "make-model"}
@@ -188,6 +191,7 @@ def worker(
     show_envvar=True,
     help="Use this Redis instead of a private embedded Valkey.",
 )
+@input_options
 def run(
     file: str,
     profile: str | None,
@@ -197,9 +201,11 @@ def run(
     skip_invalid: bool,
     as_json: bool,
     redis_url: str | None,
+    inputs: InputOptions,
     **settings: Any,
 ) -> None:
-    """Run a JSONL FILE through a model on this machine and write the results.
+    """Run a JSONL FILE (or a CSV/Parquet table, see `mlxq submit`) through a model on this
+    machine and write the results.
 
     With no --redis-url (or MLXQ_REDIS_URL) it starts an embedded Valkey, submits the
     batch, serves it with an in-process worker, writes OUTPUT and stops the server.
@@ -211,7 +217,7 @@ def run(
     log_level = "WARNING" if log_level.upper() == "INFO" else log_level
     _setup_logging(log_level, log_format)
     prof = _profile(profile, **settings)
-    parsed = read_file(file, skip_invalid)
+    parsed = read_file(file, skip_invalid, inputs)
     # The model loads before the batch exists: a model that cannot load leaves nothing.
     runner = make_runner(prof)
     click.echo(f"loading {prof.model}", err=True)
@@ -346,7 +352,7 @@ def make_model_cmd(dest: Path, preset: str, seed: int, as_json: bool) -> None:
         click.echo(f"wrote a random-weight {preset} model to {path}")
 
 
-for command in (*BATCH_COMMANDS, workers):
+for command in (*BATCH_COMMANDS, workers, dashboard):
     cli.add_command(command)
 cli.add_command(api_command, name="api")
 
