@@ -34,7 +34,8 @@ from common import (
     write_json,
 )
 
-from mlxq.engine.mlx_lm_batch import Completion, EngineJob
+from mlxq.engine.sampling import Completion, EngineJob, StreamChunk
+from mlxq.engine.stats import EngineStats
 from mlxq.wire import ModelInfo, Request
 
 # The stub's one token id and the text it stands for (about four characters a token).
@@ -42,7 +43,8 @@ STUB_TOKEN, STUB_TEXT = 7, "tok "
 
 
 class StubEngine:
-    """The Engine interface without a model: each step sleeps, then every job gets a token.
+    """A :class:`~mlxq.engine.protocol.BatchEngine` without a model: each step sleeps, then
+    every job gets a token.
 
     ``busy_s`` is the time spent inside ``step`` (the "GPU" time); ``steps`` counts them.
     """
@@ -62,8 +64,9 @@ class StubEngine:
             dtype="float16",
         )
         self.step_s = step_s
+        self.prefill_batch = 8
         self.busy_s = 0.0
-        self.steps = 0
+        self.steps = self.generated = 0
         self._jobs: dict[str, dict[str, Any]] = {}
 
     @property
@@ -74,6 +77,18 @@ class StubEngine:
         if isinstance(request.prompt, list):
             return list(request.prompt)
         return [STUB_TOKEN] * max(1, len(request.prompt or "") // 4)
+
+    def prefill_length(self, tokens: list[int]) -> int:
+        return len(tokens)
+
+    def set_prefill_batch(self, n: int) -> None:
+        self.prefill_batch = max(1, n)
+
+    def take_stream(self) -> list[StreamChunk]:
+        return []
+
+    def stats(self) -> EngineStats:
+        return EngineStats(generated_tokens=self.generated, decode_seconds=self.busy_s)
 
     def add(self, job: EngineJob, tokens: list[int] | None = None) -> Completion | None:
         if job.key in self._jobs:
@@ -96,6 +111,7 @@ class StubEngine:
                 del self._jobs[key]
                 done.append(self._completion(key, j, "length", now))
         self.steps += 1
+        self.generated += len(self._jobs) + len(done)
         self.busy_s += time.perf_counter() - t0
         return done
 
@@ -269,7 +285,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="use this Redis instead of an embedded Valkey (private queues, removed afterwards)",
     )
     ap.add_argument("--json", metavar="PATH", help="also write the figures here")
+    ap.add_argument(
+        "--short",
+        action="store_true",
+        help="a seconds-long run of both parts (the test suite runs it so the script works)",
+    )
     args = ap.parse_args(argv)
+    if args.short:
+        args.submit_jobs, args.jobs, args.batch, args.gen_tokens, args.step_ms = 200, 40, 8, 4, 1.0
     for name in ("submit_jobs", "jobs", "batch", "gen_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")

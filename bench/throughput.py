@@ -24,8 +24,7 @@ import contextlib
 import dataclasses
 import gc
 import inspect
-import math
-import random
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -48,17 +47,13 @@ from common import (
     work_burst,
     write_json,
 )
+from workloads import SEED, WORKLOADS, Workload, make_workload, step_bound
 
-MODES = ("naive", "batch_generate", "raw", "mlxq")
-WORKLOADS = ("uniform", "mixed", "prefix")
-# mixed: prompt and output lengths drawn log-uniformly from these ranges (inclusive).
-MIXED_PROMPT = (16, 1024)
-MIXED_GEN = (16, 256)
-# prefix: unique suffix lengths after the shared prefix.
-PREFIX_SUFFIX = (8, 32)
+MODES = ("naive", "batch_generate", "raw", "mlxq", "mlxq-bg")
 # --prefix-cache: the engine's prefix cache gets this share of the scheduler's KV budget.
 PREFIX_CACHE_SHARE = 0.1
-SEED = 0
+# --workload realistic: the headline workloads and their uniform twins.
+REALISTIC = ("varied", "varied-twin", "mixed", "mixed-twin")
 
 
 # -- model -------------------------------------------------------------------------------
@@ -77,17 +72,30 @@ def preset_tokenizer() -> Any:
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Any, str]:
-    """``(model, tokenizer, name)``: a random-weight preset built in memory, or ``--model``."""
+    """``(model, tokenizer, name)``: a random-weight preset built in memory, or ``--model``;
+    quantized with ``--quantize``, then in the weight format mlxq's worker would pick
+    (``--dequantize``, :func:`mlxq.engine.weights.prepare_weights`) for every mode."""
+    from mlxq.engine.hardware import device_facts
+    from mlxq.engine.weights import prepare_weights
+
     if args.model:
         import mlx_lm
 
         model, tokenizer = mlx_lm.load(args.model)[:2]
-        return model, tokenizer, Path(args.model.rstrip("/")).name or args.model
+        name = Path(args.model.rstrip("/")).name or args.model
+    else:
+        from mlxq.engine.make_model import build_model
 
-    from mlxq.engine.make_model import build_model
+        model, _ = build_model(args.preset, seed=SEED)
+        tokenizer, name = preset_tokenizer(), args.preset
+    if args.quantize:
+        import mlx.nn as nn
 
-    model, _ = build_model(args.preset, seed=SEED)
-    return model, preset_tokenizer(), args.preset
+        nn.quantize(model, group_size=64, bits=args.quantize)
+        name += f"-{args.quantize}bit"
+    facts = device_facts()
+    model = prepare_weights(model, facts.backend, facts.memory_bytes, args.dequantize)
+    return model, tokenizer, name
 
 
 def token_pool(tokenizer: Any, vocab_size: int) -> list[int]:
@@ -95,55 +103,6 @@ def token_pool(tokenizer: Any, vocab_size: int) -> list[int]:
     special = set(getattr(tokenizer, "all_special_ids", None) or [])
     special |= set(tokenizer.eos_token_ids)
     return [i for i in range(min(len(tokenizer), vocab_size)) if i not in special]
-
-
-# -- workloads ---------------------------------------------------------------------------
-@dataclass
-class Workload:
-    """The requests every mode runs: prompts as token ids and their ``max_tokens``."""
-
-    name: str
-    label: str
-    prompts: list[list[int]]
-    max_tokens: list[int]
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def gen_tokens(self) -> int:
-        return sum(self.max_tokens)
-
-
-def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
-    return min(hi, max(lo, round(math.exp(rng.uniform(math.log(lo), math.log(hi))))))
-
-
-def make_workload(kind: str, args: argparse.Namespace, pool: list[int]) -> Workload:
-    """The requests of one workload, the same on every run (fixed seed)."""
-    rng = random.Random(f"{kind}-{SEED}")
-    n = args.requests
-    if kind == "uniform":
-        p, g = args.prompt_tokens, args.gen_tokens
-        prompts = [rng.choices(pool, k=p) for _ in range(n)]
-        return Workload(kind, f"uniform {n} x ({p}+{g})", prompts, [g] * n)
-    if kind == "mixed":
-        lens = [_log_uniform(rng, *MIXED_PROMPT) for _ in range(n)]
-        gens = [_log_uniform(rng, *MIXED_GEN) for _ in range(n)]
-        prompts = [rng.choices(pool, k=k) for k in lens]
-        label = (
-            f"mixed {n} x ({MIXED_PROMPT[0]}..{MIXED_PROMPT[1]} + {MIXED_GEN[0]}..{MIXED_GEN[1]}"
-            f" log-uniform, mean {sum(lens) / n:.0f}+{sum(gens) / n:.0f})"
-        )
-        return Workload(kind, label, prompts, gens)
-    if kind == "prefix":
-        shared, g = rng.choices(pool, k=args.prefix_tokens), args.gen_tokens
-        prompts = [shared + rng.choices(pool, k=rng.randint(*PREFIX_SUFFIX)) for _ in range(n)]
-        lo, hi = PREFIX_SUFFIX
-        label = f"prefix {n} x ({args.prefix_tokens} shared + {lo}..{hi} unique + {g})"
-        return Workload(kind, label, prompts, [g] * n)
-    raise ValueError(f"unknown workload {kind!r}")
 
 
 # -- results -----------------------------------------------------------------------------
@@ -283,15 +242,18 @@ def run_mlxq(
     profile: Any,
     url: str,
     prefix_cache_bytes: int = 0,
+    engine: str = "slot",
 ):
     """Submit, run a burst worker on the main thread, read every result back.
+
+    ``engine``: "slot" (mlxq's default engine) or "batch_generator" (mode ``mlxq-bg``).
 
     The prompt tok/s is effective: the requests' prompt tokens over the engine's prefill
     time (``Engine.stats()``), so prompt tokens taken from the prefix cache count too.
     """
     from mlxq.broker.batches import connect, iter_batch_results, submit
-    from mlxq.engine.mlx_lm_batch import Engine
     from mlxq.engine.model_facts import model_info
+    from mlxq.engine.protocol import BatchEngine
     from mlxq.engine.runner import Runner
     from mlxq.wire import Request
     from mlxq.worker.config import resolve
@@ -300,14 +262,15 @@ def run_mlxq(
 
     readings: dict[str, Any] = {}
     configs: list[Any] = []
+    kind = engine
 
-    def make_engine(facts: Any) -> Engine:  # as mlxq.worker.launch.Setup, on a loaded model
+    def make_engine(facts: Any) -> BatchEngine:  # as mlxq.worker.launch.Setup, loaded model
         info = model_info(model, name, vocab_size=len(tokenizer))
         config = dataclasses.replace(
             resolve(profile, facts, info), prefix_cache_bytes=prefix_cache_bytes
         )
         configs.append(config)
-        engine = engine_for(model, tokenizer, config)
+        engine = engine_for(model, tokenizer, config, engine=kind)
         readings["start"] = engine.stats()
         return engine
 
@@ -336,7 +299,7 @@ def run_mlxq(
     gen = sum(r.usage.completion_tokens for r in done)
     start, end = readings["start"], runner.engine.stats()
     prefill_s = end.prefill_seconds - start.prefill_seconds
-    mode = "mlxq+prefix" if prefix_cache_bytes else "mlxq"
+    mode = ("mlxq" if engine == "slot" else "mlxq-bg") + ("+prefix" if prefix_cache_bytes else "")
     result = ModeResult(mode, wall, gen, wl.prompt_tokens, rate(wl.prompt_tokens, prefill_s))
     result.peak_gb = _peak_gb()
     result.expected_gen_tokens, result.errors = wl.gen_tokens, len(results) - len(done)
@@ -440,8 +403,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="random-weight model built in memory",
     )
     src.add_argument("--model", help="a model folder or hub id for mlx_lm.load instead")
-    ap.add_argument("--workload", default="uniform", choices=[*WORKLOADS, "all"])
+    ap.add_argument(
+        "--workload",
+        default="uniform",
+        help="comma-separated: " + ", ".join(WORKLOADS) + "; 'realistic' (varied and mixed "
+        "with their uniform twins) or 'all'",
+    )
     ap.add_argument("--requests", type=int, default=256, help="requests per workload")
+    ap.add_argument(
+        "--queue-factor",
+        type=int,
+        default=None,
+        help="requests = this many times the batch (overrides --requests): a queue deeper "
+        "than the batch, refilled as jobs finish",
+    )
+    ap.add_argument(
+        "--export-jsonl",
+        metavar="DIR",
+        help="also write each workload as DIR/NAME.jsonl (input for `mlxq run`)",
+    )
     ap.add_argument("--prompt-tokens", type=int, default=128, help="uniform: prompt length")
     ap.add_argument(
         "--gen-tokens",
@@ -492,6 +472,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         help="mlxq's (and raw's) prefill batch size (default: the worker's default)",
     )
+    ap.add_argument(
+        "--quantize", type=int, choices=(4, 8), help="quantize the weights to this many bits"
+    )
+    ap.add_argument(
+        "--dequantize",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="quantized weights at load, as the worker's --dequantize (auto: dequantized on "
+        "CUDA when they fit); applies to every mode",
+    )
     ap.add_argument("--json", metavar="PATH", help="also write the figures here")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -499,6 +489,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad or not modes:
         ap.error(f"--modes: unknown {', '.join(bad) or '(none given)'}; choose from {MODES}")
     args.modes = [m for m in MODES if m in modes]
+    names = [w.strip() for w in args.workload.split(",") if w.strip()]
+    expand = {"all": WORKLOADS, "realistic": REALISTIC}
+    args.workloads = [w for n in names for w in expand.get(n, (n,))]
+    if not args.workloads or (bad := sorted(set(args.workloads) - set(WORKLOADS))):
+        ap.error(f"--workload: unknown {args.workload!r}; choose from {WORKLOADS}")
+    if args.queue_factor is not None and args.queue_factor < 1:
+        ap.error("--queue-factor must be at least 1")
     if args.requests < 1 or args.prompt_tokens < 1 or args.gen_tokens < 1:
         ap.error("--requests, --prompt-tokens and --gen-tokens must be at least 1")
     if args.repeat < 1:
@@ -548,10 +545,10 @@ def main(argv: list[str] | None = None) -> int:
     bg_batch = defaults["completion_batch_size"].default
     bg_prefill = defaults["prefill_batch_size"].default
 
-    workloads = [
-        make_workload(k, args, pool)
-        for k in (WORKLOADS if args.workload == "all" else [args.workload])
-    ]
+    n = args.requests if args.queue_factor is None else args.queue_factor * batch
+    workloads = [make_workload(k, args, pool, n) for k in args.workloads]
+    if args.export_jsonl:
+        export_jsonl(workloads, Path(args.export_jsonl))
     for wl in workloads:
         longest = max(len(p) + m for p, m in zip(wl.prompts, wl.max_tokens, strict=True))
         if longest > info.context_length:
@@ -586,36 +583,37 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: v for k, v in vars(args).items() if k != "json"},
         "workloads": [],
     }
-    server = redis_url(args.redis_url) if "mlxq" in args.modes else contextlib.nullcontext("")
+    queued = any(m.startswith("mlxq") for m in args.modes)
+    server = redis_url(args.redis_url) if queued else contextlib.nullcontext("")
     with server as url:
-        for wl in workloads:
-            prefill_batch = prefill_for(wl)
-            results = []
-            for mode in args.modes:
-                # The prefix cache's settings: off (0 bytes) and/or on, per --prefix-cache.
-                caches = [0]
-                if mode == "mlxq" and wl.name == "prefix" and args.prefix_cache != "off":
-                    on = max(1, int(scheduler.budget_bytes * PREFIX_CACHE_SHARE))
-                    caches = [on] if args.prefix_cache == "on" else [0, on]
-                for cache_bytes in caches:
+
+        def run_one(wl: Workload, mode: str, cache_bytes: int) -> ModeResult:
+            if mode == "naive":
+                return run_naive(model, tokenizer, wl, args.naive_requests)
+            if mode == "batch_generate":
+                return run_batch_generate(model, tokenizer, wl)
+            if mode == "raw":
+                return run_raw(model, wl, batch, prefill_for(wl), profile.prefill_step)
+            engine = "slot" if mode == "mlxq" else "batch_generator"
+            return run_mlxq(model, tokenizer, name, wl, profile, url, cache_bytes, engine)
+
+        # Repeats go round every workload and mode in turn, so a change in the load of a
+        # shared machine hits them alike.
+        variants = {wl.name: _variants(wl, args, scheduler.budget_bytes) for wl in workloads}
+        runs: dict[tuple[str, str, int], list[ModeResult]] = {}
+        for i in range(args.repeat):
+            for wl in workloads:
+                for mode, cache_bytes in variants[wl.name]:
+                    _fresh()
                     label = mode + ("+prefix" if cache_bytes else "")
-                    runs = []
-                    for i in range(args.repeat):
-                        _fresh()
-                        print(f"{wl.name}: {label} ({i + 1}/{args.repeat}) ...", file=sys.stderr)
-                        if mode == "naive":
-                            r = run_naive(model, tokenizer, wl, args.naive_requests)
-                        elif mode == "batch_generate":
-                            r = run_batch_generate(model, tokenizer, wl)
-                        elif mode == "raw":
-                            r = run_raw(model, wl, batch, prefill_batch, profile.prefill_step)
-                        else:
-                            r = run_mlxq(model, tokenizer, name, wl, profile, url, cache_bytes)
-                        runs.append(r)
-                    results.append(median_run(runs))
+                    print(f"{wl.name}: {label} ({i + 1}/{args.repeat}) ...", file=sys.stderr)
+                    key = (wl.name, mode, cache_bytes)
+                    runs.setdefault(key, []).append(run_one(wl, mode, cache_bytes))
+        for wl in workloads:
+            results = [median_run(runs[(wl.name, m, c)]) for m, c in variants[wl.name]]
             header = (
                 f"{model_line(info)} on {device} | workload {wl.label} | mlxq batch {batch} "
-                f"({how}), prefill batch {prefill_batch} | batch_generate: mlx-lm defaults "
+                f"({how}), prefill batch {prefill_for(wl)} | batch_generate: mlx-lm defaults "
                 f"(batch {bg_batch}, prefill batch {bg_prefill})"
             )
             if args.repeat > 1:
@@ -624,10 +622,57 @@ def main(argv: list[str] | None = None) -> int:
             print(report(header, results, wl))
             sys.stdout.flush()
             out["workloads"].append(_workload_json(wl, results))
+        if twins := twin_ratios(out["workloads"], batch):
+            print()
+            print(twins)
     _fresh()
     if args.json:
         write_json(args.json, out)
     return 0
+
+
+def export_jsonl(workloads: list[Workload], folder: Path) -> None:
+    """Write each workload's requests as FOLDER/NAME.jsonl, for `mlxq run`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for wl in workloads:
+        lines = (json.dumps(row) for row in wl.jsonl())
+        (folder / f"{wl.name}.jsonl").write_text("\n".join(lines) + "\n")
+    print(f"wrote {len(workloads)} workloads to {folder}/", file=sys.stderr)
+
+
+def twin_ratios(workloads: list[dict[str, Any]], batch: int) -> str:
+    """Each varied workload's gen tok/s over its uniform twin's, mode by mode, and the best
+    ratio a fixed cost per decode step allows (:func:`workloads.step_bound`)."""
+    by_name = {w["workload"]: {m["mode"]: m["gen_tps"] for m in w["modes"]} for w in workloads}
+    bounds = {w["workload"]: step_bound(w["max_tokens"], batch) for w in workloads}
+    lines = []
+    for name, modes in by_name.items():
+        twin = by_name.get(f"{name}-twin")
+        if twin is None:
+            continue
+        pairs = [
+            f"{mode} {fmt_ratio(tps, twin.get(mode))}"
+            for mode, tps in modes.items()
+            if mode in twin
+        ]
+        lines.append(
+            f"{name} vs its uniform twin (gen tok/s): " + ", ".join(pairs) + f" (bound at a "
+            f"fixed cost per step, batch {batch}: {bounds[name]:.2f}x)"
+        )
+    return "\n".join(lines)
+
+
+def _variants(wl: Workload, args: argparse.Namespace, budget: int) -> list[tuple[str, int]]:
+    """(mode, prefix cache bytes) to run on a workload: the cache off (0) and/or on, per
+    ``--prefix-cache``, for the mlxq modes on the prefix workload."""
+    out = []
+    for mode in args.modes:
+        caches = [0]
+        if mode.startswith("mlxq") and wl.name == "prefix" and args.prefix_cache != "off":
+            on = max(1, int(budget * PREFIX_CACHE_SHARE))
+            caches = [on] if args.prefix_cache == "on" else [0, on]
+        out += [(mode, c) for c in caches]
+    return out
 
 
 def _struct_dict(obj: Any) -> dict[str, Any]:
@@ -660,6 +705,7 @@ def _workload_json(wl: Workload, results: list[ModeResult]) -> dict[str, Any]:
         "workload": wl.name,
         "label": wl.label,
         "requests": len(wl.prompts),
+        "max_tokens": wl.max_tokens,
         "prompt_tokens": wl.prompt_tokens,
         "gen_tokens": wl.gen_tokens,
         "modes": rows,

@@ -89,6 +89,17 @@ def _worker_options(f: Callable) -> Callable:
             f"0 turns it off [default: {DEFAULTS.prefix_cache_fraction}].",
         ),
         click.option(
+            "--engine",
+            type=click.Choice(["slot", "batch_generator"]),
+            help="Batch engine [default: slot where the model's cache allows, else "
+            "mlx-lm's BatchGenerator].",
+        ),
+        click.option(
+            "--dequantize",
+            type=click.Choice(["auto", "on", "off"]),
+            help="Dequantize quantized weights at load [default: auto = on CUDA when they fit].",
+        ),
+        click.option(
             "--abandon-after",
             type=click.IntRange(3, 3600),
             help="Seconds without a heartbeat before other workers take this worker's jobs "
@@ -337,7 +348,8 @@ def server(port: int, host: str, data_dir: Path, no_persist: bool, password: str
     "--preset",
     default="tiny",
     show_default=True,
-    help="Model shape: tiny, smollm2-135m, llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b.",
+    help="Model shape: tiny (and tiny-qwen2, tiny-qwen3, tiny-mistral, tiny-phi3, "
+    "tiny-gemma3), cpu-small, smollm2-135m, llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b.",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the path and shape as JSON.")

@@ -30,17 +30,23 @@ def system_memory() -> int:
         return 8 * 2**30
 
 
+def backend_name() -> str:
+    """The backend MLX computes on: "metal", "cuda" or "cpu"."""
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        return "metal"
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
 def device_facts() -> DeviceFacts:
     """Read the device MLX uses and its memory."""
     import mlx.core as mx
 
     info = dict(mx.device_info()) if hasattr(mx, "device_info") else {}
-    if mx.metal.is_available():
-        backend = "metal"
-    elif hasattr(mx, "cuda") and mx.cuda.is_available():
-        backend = "cuda"
-    else:
-        backend = "cpu"
+    backend = backend_name()
     memory = int(info.get("memory_size") or info.get("total_memory") or system_memory())
     recommended = int(info.get("max_recommended_working_set_size") or memory)
     return DeviceFacts(

@@ -37,21 +37,54 @@ CHAT_TEMPLATE = (
 _LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
 _LLAMA3_ROPE |= {"original_max_position_embeddings": 8192, "rope_type": "llama3"}
 
+
+# Small enough for unit tests; float32 so greedy argmax is stable across batch shapes.
+_TINY: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": TOKENIZER_VOCAB,
+    "max_position_embeddings": 2048,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+
+def _tiny(model_type: str, **extra: Any) -> dict[str, Any]:
+    """The ``tiny`` shape in another model family."""
+    return {**_TINY, "model_type": model_type, **extra}
+
+
 PRESETS: dict[str, dict[str, Any]] = {
-    # Small enough for unit tests; float32 so greedy argmax is stable across batch shapes.
-    "tiny": {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
+    "tiny": _TINY,
+    # Tiny members of other families (the slot engine's tests; gemma3 runs on the fallback).
+    "tiny-qwen2": _tiny("qwen2"),
+    "tiny-qwen3": _tiny("qwen3", head_dim=16),
+    "tiny-mistral": _tiny("mistral", head_dim=16),
+    "tiny-phi3": _tiny(
+        "phi3",
+        rope_scaling={"type": "longrope", "long_factor": [1.0] * 8, "short_factor": [1.0] * 8},
+        original_max_position_embeddings=1024,
+    ),
+    "tiny-gemma3": _tiny(
+        "gemma3_text",
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=8,
+        sliding_window_pattern=2,
+    ),
+    # A CPU benchmark model: big enough that compute, not per-op overhead, sets the pace.
+    "cpu-small": {
+        **_TINY,
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 4,
         "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": TOKENIZER_VOCAB,
-        "max_position_embeddings": 2048,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
     },
     "llama-3.2-1b": {
         "model_type": "llama",
@@ -136,11 +169,22 @@ def hello(name): return "Hello, " + name  # a line of code for good measure
 """
 
 
+# Model types mlx-lm runs with another family's module (as its loader remaps them).
+_MODULES = {"mistral": "llama"}
+
+
 def preset_config(preset: str) -> dict[str, Any]:
     """The full ``config.json`` of a preset, including the tokenizer's special ids."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
-    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+    arch = {
+        "llama": "LlamaForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "phi3": "Phi3ForCausalLM",
+        "gemma3_text": "Gemma3ForCausalLM",
+    }
     config = dict(PRESETS[preset])
     config["architectures"] = [arch[config["model_type"]]]
     config["bos_token_id"] = BOS_ID
@@ -182,11 +226,12 @@ def _random_params(model: nn.Module, dtype: mx.Dtype, seed: int, fan_in_init: bo
 def build_model(preset: str, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     """The preset's model with random weights, in memory, and its config."""
     config = preset_config(preset)
-    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    kind = _MODULES.get(config["model_type"], config["model_type"])
+    arch = importlib.import_module(f"mlx_lm.models.{kind}")
     model = arch.Model(arch.ModelArgs.from_dict(config))
     dtype = getattr(mx, config["torch_dtype"])
     # The constructor's own (lazy) initial weights are replaced before ever being computed.
-    model.update(_random_params(model, dtype, seed, fan_in_init=preset == "tiny"))
+    model.update(_random_params(model, dtype, seed, fan_in_init=preset.startswith("tiny")))
     model.eval()
     return model, config
 

@@ -26,6 +26,8 @@ from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
 from mlxq.engine.model_facts import model_info
 from mlxq.engine.prefix_cache import Plan, make_prefix_cache
+from mlxq.engine.prompts import JobInputError, PromptEncoder, error_line
+from mlxq.engine.protocol import warm_up
 from mlxq.engine.sampling import (
     Completion,
     EngineJob,
@@ -34,23 +36,8 @@ from mlxq.engine.sampling import (
     make_job_sampler,
     token_logprobs,
 )
-from mlxq.engine.stats import EngineStats, with_counters
+from mlxq.engine.stats import EngineStats, add_work
 from mlxq.wire import FinishReason, Request, TokenLogprob
-
-# Used when a model's config does not say how long its context is.
-WARMUP_KEY = "__mlxq_warmup__"
-
-
-class JobInputError(ValueError):
-    """A request this model cannot run; the message says what is wrong and how to fix it."""
-
-
-def _error_line(exc: BaseException) -> str:
-    """An exception as one readable line, with a hint when memory ran out."""
-    line = " ".join(f"{type(exc).__name__}: {exc}".split())
-    if "memory" in line.lower() or "alloc" in line.lower():
-        return f"{line} (out of memory: lower max_batch or prefill_step, or send shorter jobs)"
-    return line
 
 
 class Engine:
@@ -96,6 +83,7 @@ class Engine:
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.info = model_info(model, name, vocab_size=len(tokenizer))
+        self._prompts = PromptEncoder(tokenizer, self.info)
         self.max_batch, self.prefill_batch = max_batch, prefill_batch
         self.prefill_step = prefill_step
         self._eos = sorted(tokenizer.eos_token_ids)
@@ -105,7 +93,7 @@ class Engine:
         self._queued: dict[str, RunningJob] = {}
         self._chunks: list[StreamChunk] = []  # stream jobs' new output, see take_stream
         self._prefix = make_prefix_cache(model, self.info, prefix_cache_bytes)
-        self._stats = EngineStats()  # admitted prompts; counters of generators replaced
+        self._stats = EngineStats()  # admitted prompts; the generators' work, step by step
         self._gen = self._new_generator()
 
     def prefill_length(self, tokens: list[int]) -> int:
@@ -134,69 +122,15 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """Counts of prompt, decode and prefix-cache work so far."""
-        out = with_counters(self._stats, self._gen._counters)
+        out = dataclasses.replace(self._stats)
         if self._prefix is not None:
             out = dataclasses.replace(out, **self._prefix.counts())
             out.prefill_seconds += self._prefix.seconds
         return out
 
-    # -- encoding (pure tokenizer work: safe to call from another thread) --
-
     def encode(self, request: Request) -> list[int]:
         """The prompt's token ids; raises :class:`JobInputError` if it cannot run."""
-        tokens = self._prompt_tokens(request)
-        self._check_tokens(tokens, request.max_tokens)
-        return tokens
-
-    def _prompt_tokens(self, request: Request) -> list[int]:
-        tok = self.tokenizer
-        if request.messages is not None:
-            return self._render_chat(request)
-        if isinstance(request.prompt, str):
-            # Like mlx_lm.generate: add BOS unless the text already starts with it.
-            add_special = tok.bos_token is None or not request.prompt.startswith(tok.bos_token)
-            return list(tok.encode(request.prompt, add_special_tokens=add_special))
-        return list(request.prompt or [])
-
-    def _render_chat(self, request: Request) -> list[int]:
-        if not self.tokenizer.has_chat_template:
-            raise JobInputError(
-                f"model {self.info.name} has no chat template, so `messages` cannot be "
-                "rendered: send `prompt` (text you formatted yourself, or token ids) instead"
-            )
-        messages = [{"role": m.role, "content": m.content} for m in request.messages or []]
-        try:
-            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as exc:
-            raise JobInputError(
-                f"the chat template of {self.info.name} rejected these messages "
-                f"({_error_line(exc)}): check the roles and their order"
-            ) from exc
-        return list(out["input_ids"] if isinstance(out, dict) else out)
-
-    def _check_tokens(self, tokens: list[int], max_tokens: int) -> None:
-        vocab, ctx = self.info.vocab_size, self.info.context_length
-        if not tokens:
-            raise JobInputError("the prompt encodes to no tokens: send non-empty text")
-        for i, t in enumerate(tokens):
-            if not 0 <= t < vocab:
-                raise JobInputError(
-                    f"prompt token id {t} at position {i} is outside the vocabulary of "
-                    f"{self.info.name} (ids 0 to {vocab - 1}): tokenize with this model's "
-                    "tokenizer"
-                )
-        n = len(tokens)
-        if n + max_tokens > ctx:
-            fix = (
-                f"shorten the prompt to at most {ctx - max_tokens} tokens or lower "
-                f"max_tokens to at most {ctx - n}"
-                if n < ctx
-                else f"shorten the prompt to under {ctx} tokens"
-            )
-            raise JobInputError(
-                f"the prompt is {n} tokens and max_tokens is {max_tokens}, together "
-                f"{n + max_tokens}, but the context of {self.info.name} is {ctx} tokens: {fix}"
-            )
+        return self._prompts.encode(request)
 
     # -- running --
 
@@ -210,13 +144,11 @@ class Engine:
             raise ValueError(f"job {job.key} is already in the engine")
         now = time.time()
         try:
-            tokens = self._prompt_tokens(job.request) if tokens is None else list(tokens)
-            self._check_tokens(tokens, job.request.max_tokens)
+            tokens = self._prompts.prompt_tokens(job.request) if tokens is None else list(tokens)
+            self._prompts.check_tokens(tokens, job.request.max_tokens)
         except JobInputError as exc:
             return Completion(job.key, "error", error=str(exc), admitted_at=now, finished_at=now)
-        detokenizer = self.tokenizer.detokenizer if job.request.stop else None
-        run = RunningJob(job, tokens, detokenizer, now)
-        run.logprobs = None if job.request.logprobs is None else []
+        run = RunningJob.start(job, tokens, self.tokenizer, now)
         self._stats.prompt_tokens += len(tokens)
         if self._prefix is not None:  # planned at the next step, once the burst is counted
             self._prefix.observe(tokens)
@@ -245,7 +177,7 @@ class Engine:
         except Exception as exc:
             if plan is not None:
                 plan.release()
-            return run.completion("error", "", f"could not start the job: {_error_line(exc)}")
+            return run.completion("error", "", f"could not start the job: {error_line(exc)}")
         run.plan = plan
         self._runs[uid] = run
         self._uids[run.job.key] = uid
@@ -281,9 +213,12 @@ class Engine:
         if not self._runs:
             return done
         try:
-            prompt_responses, responses = self._gen.next()
+            with self._gen.stats() as work:
+                prompt_responses, responses = self._gen.next()
         except Exception as exc:
+            add_work(self._stats, work)
             return done + self._fail_batch(exc)
+        add_work(self._stats, work)
         if self._prefix is not None:
             self._store_prefixes(prompt_responses)
         now = time.time()
@@ -303,13 +238,8 @@ class Engine:
             if reason is not None:
                 done.append(self._finish(r.uid, reason))
             elif run.job.request.stream:
-                self._stream_out(run)
+                run.stream_update(self.tokenizer, self._chunks)
         return done
-
-    def _stream_out(self, run: RunningJob) -> None:
-        chunk = run.stream_chunk(self.tokenizer.decode(run.tokens).rstrip("\ufffd"))
-        if chunk is not None:  # ("\ufffd": a character split across tokens, held back)
-            self._chunks.append(chunk)
 
     def take_stream(self) -> list[StreamChunk]:
         """New output of stream jobs since the last call (finished jobs excluded: their
@@ -340,27 +270,16 @@ class Engine:
         del self._uids[run.job.key]
         if run.plan is not None:
             run.plan.release()  # a prefix it did not get to store
-        # Like mlx_lm.batch_generate: decode the ids (keeps a leading space, unlike the
-        # streaming detokenizers).
-        done = run.completion(reason, self.tokenizer.decode(run.tokens), error)
-        if run.job.request.stream:  # the rest of its output, before it is reported done
-            rest_ids, rest_text = (
-                done.token_ids[run.streamed_tokens :],
-                done.text[run.streamed_chars :],
-            )
-            if rest_ids or rest_text:
-                self._chunks.append(StreamChunk(run.job.key, rest_text, rest_ids))
-        return done
+        return run.finish(reason, self.tokenizer, self._chunks, error)
 
     def _fail_batch(self, exc: Exception) -> list[Completion]:
         """Fail the jobs the model was working on; keep the waiting ones on a new generator."""
         waiting = {seq[0] for seq in getattr(self._gen, "_unprocessed_sequences", ())}
-        error = f"generation failed for the whole batch: {_error_line(exc)}"
+        error = f"generation failed for the whole batch: {error_line(exc)}"
         failed = [
             self._finish(uid, "error", error) for uid in list(self._runs) if uid not in waiting
         ]
         old, self._gen = self._gen, self._new_generator()
-        self._stats = with_counters(self._stats, old._counters)
         with contextlib.suppress(Exception):  # the old generator is broken anyway
             old.close()
         mx.clear_cache()
@@ -390,13 +309,7 @@ class Engine:
 
     def warmup(self) -> None:
         """Run one tiny generation so that the first real jobs skip compile/alloc costs."""
-        if self.active:
-            return
-        failed = self.add(EngineJob(WARMUP_KEY, Request(prompt="Hello, world", max_tokens=4)))
-        if failed is not None:
-            raise RuntimeError(f"warmup failed: {failed.error}")
-        while self.active:
-            self.step()
+        warm_up(self)
 
     def close(self) -> None:
         """Drop all jobs and release the generator."""

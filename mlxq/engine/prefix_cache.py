@@ -50,7 +50,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxq.wire import ModelInfo
 
-log = logging.getLogger("mlxq.engine.mlx_lm_batch")
+log = logging.getLogger("mlxq.engine.prefix_cache")
 Block = tuple[int, ...]
 DEFAULT_BLOCK = 64
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlxq.engine.hardware import DeviceFacts, device_facts
-from mlxq.engine.mlx_lm_batch import Completion, Engine, EngineJob
-from mlxq.engine.sampling import StreamChunk
+from mlxq.engine.protocol import BatchEngine
+from mlxq.engine.sampling import Completion, EngineJob, StreamChunk
 from mlxq.engine.scheduler import Scheduler, admission_order
 from mlxq.errors import StartupError, one_line
 from mlxq.wire import ModelInfo
@@ -44,12 +44,12 @@ class _Cancel:
 
 
 class Runner:
-    """Runs an Engine on its own thread with scheduler-driven admission."""
+    """Runs a :class:`BatchEngine` on its own thread with scheduler-driven admission."""
 
     def __init__(
         self,
-        make_engine: Callable[[DeviceFacts], Engine],
-        make_scheduler: Callable[[Engine, DeviceFacts], Scheduler],
+        make_engine: Callable[[DeviceFacts], BatchEngine],
+        make_scheduler: Callable[[BatchEngine, DeviceFacts], Scheduler],
     ) -> None:
         self._make_engine = make_engine
         self._make_scheduler = make_scheduler
@@ -61,7 +61,7 @@ class Runner:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="mlxq-mlx", daemon=True)
-        self.engine: Engine | None = None
+        self.engine: BatchEngine | None = None
         self.scheduler: Scheduler | None = None
         self.facts: DeviceFacts | None = None  # set when the engine starts
         self.memory: tuple[int, int] = (0, 0)  # MLX (active, peak) bytes, sampled each second

@@ -101,6 +101,33 @@ class RunningJob:
         self.scan_from = max(0, len(text) - longest - _STOP_RESCAN)
         return False
 
+    @classmethod
+    def start(cls, job: EngineJob, tokens: list[int], tokenizer: Any, now: float) -> RunningJob:
+        """A job entering an engine (a detokenizer only if it has stop strings to watch)."""
+        run = cls(job, tokens, tokenizer.detokenizer if job.request.stop else None, now)
+        run.logprobs = None if job.request.logprobs is None else []
+        return run
+
+    def stream_update(self, tokenizer: Any, chunks: list[StreamChunk]) -> None:
+        """Append the output not yet streamed to ``chunks`` (a stream job, each token)."""
+        chunk = self.stream_chunk(tokenizer.decode(self.tokens).rstrip("\ufffd"))
+        if chunk is not None:  # ("\ufffd": a character split across tokens, held back)
+            chunks.append(chunk)
+
+    def finish(
+        self, reason: FinishReason, tokenizer: Any, chunks: list[StreamChunk], error: str | None
+    ) -> Completion:
+        """The job's Completion; a stream job's last output goes to ``chunks`` first."""
+        # Like mlx_lm.batch_generate: decode the ids (keeps a leading space, unlike the
+        # streaming detokenizers).
+        done = self.completion(reason, tokenizer.decode(self.tokens), error)
+        if self.job.request.stream:  # the rest of its output, before it is reported done
+            rest_ids = done.token_ids[self.streamed_tokens :]
+            rest_text = done.text[self.streamed_chars :]
+            if rest_ids or rest_text:
+                chunks.append(StreamChunk(self.job.key, rest_text, rest_ids))
+        return done
+
     def stream_chunk(self, text: str) -> StreamChunk | None:
         """Output not yet streamed, given the decoded ``text`` of all tokens so far."""
         ids = self.tokens[self.streamed_tokens :]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,12 +28,9 @@ class EngineStats:
     prefix_evictions: int = 0
 
 
-def with_counters(stats: EngineStats, c: Any) -> EngineStats:
-    """``stats`` plus a ``BatchGenerator``'s counters of prefill and decode work."""
-    return dataclasses.replace(
-        stats,
-        prefilled_tokens=stats.prefilled_tokens + c.prompt_tokens,
-        prefill_seconds=stats.prefill_seconds + c.prompt_time,
-        generated_tokens=stats.generated_tokens + c.generation_tokens,
-        decode_seconds=stats.decode_seconds + c.decode_time,
-    )
+def add_work(stats: EngineStats, work: Any) -> None:
+    """Add a window of ``BatchGenerator.stats()`` (prefill and decode work) to ``stats``."""
+    stats.prefilled_tokens += work.prompt_tokens
+    stats.prefill_seconds += work.prompt_time
+    stats.generated_tokens += work.generation_tokens
+    stats.decode_seconds += work.decode_time

@@ -14,6 +14,7 @@ from mlxq.broker import keys
 from mlxq.engine.hardware import DeviceFacts
 from mlxq.engine.scheduler import (
     DEFAULT_PREFILL_BATCH,
+    MAX_AUTO_BATCH,
     PREFILL_TOKENS,
     auto_max_batch,
     memory_budget,
@@ -44,6 +45,8 @@ class WorkerConfig:
     grace_period: float
     stall_timeout: float
     metrics_port: int | None
+    engine: str | None = None  # the batch engine asked for (None: chosen by the model)
+    engine_max_batch: int = MAX_AUTO_BATCH  # the engine's own cap (--max-batch, else 256)
 
 
 def worker_queues(profile: WorkerProfile) -> tuple[str, ...]:
@@ -80,4 +83,6 @@ def resolve(profile: WorkerProfile, facts: DeviceFacts, info: ModelInfo) -> Work
         grace_period=profile.grace_period,
         stall_timeout=stall,
         metrics_port=profile.metrics_port,
+        engine=profile.engine,
+        engine_max_batch=profile.max_batch or MAX_AUTO_BATCH,
     )

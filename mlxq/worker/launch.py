@@ -9,12 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from mlxq.engine.factory import make_engine
 from mlxq.engine.hardware import DeviceFacts
-from mlxq.engine.mlx_lm_batch import Engine
 from mlxq.engine.model_facts import model_info
 from mlxq.engine.model_source import check_adapter, load_model, resolve_model
+from mlxq.engine.protocol import BatchEngine
 from mlxq.engine.runner import Runner
 from mlxq.engine.scheduler import Scheduler
+from mlxq.engine.weights import prepare_weights
 from mlxq.errors import StartupError, one_line
 from mlxq.wire import Result
 from mlxq.worker.config import WorkerConfig, resolve, worker_queues
@@ -52,31 +54,38 @@ class Setup:
         assert self.config is not None
         return self.config
 
-    def _engine(self, facts: DeviceFacts) -> Engine:
-        model = self.profile.model or ""
-        loaded, tokenizer = load_model(model, self.path, self.profile.adapter_path)
+    def _engine(self, facts: DeviceFacts) -> BatchEngine:
+        model, profile = self.profile.model or "", self.profile
+        loaded, tokenizer = load_model(model, self.path, profile.adapter_path)
+        loaded = prepare_weights(loaded, facts.backend, facts.memory_bytes, profile.dequantize)
         info = model_info(loaded, model, vocab_size=len(tokenizer))
-        self.config = resolve(self.profile, facts, info)
+        self.config = resolve(profile, facts, info)
         return engine_for(loaded, tokenizer, self.config)
 
-    def _scheduler(self, engine: Engine, facts: DeviceFacts) -> Scheduler:
+    def _scheduler(self, engine: BatchEngine, facts: DeviceFacts) -> Scheduler:
         assert self.config is not None
         return build_scheduler(self.config)
 
 
-def engine_for(loaded: Any, tokenizer: Any, config: WorkerConfig) -> Engine:
-    """A warmed-up Engine over a loaded model, sized as the configuration says."""
-    engine = Engine.from_loaded(
+def engine_for(
+    loaded: Any, tokenizer: Any, config: WorkerConfig, engine: str | None = None
+) -> BatchEngine:
+    """A warmed-up engine over a loaded model, sized as the configuration says: the slot
+    engine where the model's cache allows (``engine`` overrides, see
+    :mod:`mlxq.engine.factory`)."""
+    made = make_engine(
         loaded,
         tokenizer,
         config.model,
-        max_batch=config.max_batch,
+        engine=engine or config.engine,
+        # The engine's own cap stays as before; the scheduler admits config.max_batch.
+        max_batch=config.engine_max_batch,
         prefill_batch=config.prefill_batch,
         prefill_step=config.prefill_step,
         prefix_cache_bytes=config.prefix_cache_bytes,
     )
-    engine.warmup()
-    return engine
+    made.warmup()
+    return made
 
 
 def build_scheduler(config: WorkerConfig) -> Scheduler:

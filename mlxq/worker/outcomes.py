@@ -18,7 +18,7 @@ from rq.queue import Queue
 from rq.worker import BaseWorker
 
 from mlxq.broker import rq_store
-from mlxq.engine.mlx_lm_batch import Completion
+from mlxq.engine.sampling import Completion
 from mlxq.wire import FinishReason, JobMeta, Request, Result, Timing, Usage
 
 

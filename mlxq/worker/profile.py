@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -35,6 +35,10 @@ class WorkerProfile(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # before the worker puts them back and exits non-zero; None: by backend (see config).
     stall_timeout: Annotated[float, Meta(ge=1.0)] | None = None
     name: str | None = None
+    # The batch engine: None runs the slot engine where the model's cache allows it.
+    engine: Literal["slot", "batch_generator"] | None = None
+    # Quantized weights: "auto" dequantizes them at load on CUDA when they fit.
+    dequantize: Literal["auto", "on", "off"] = "auto"
     # Serve Prometheus metrics on this port (needs the `metrics` extra).
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
 

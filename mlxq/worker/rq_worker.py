@@ -24,8 +24,9 @@ from mlxq.broker import fleet, keys, rq_store, streams
 from mlxq.broker.intake import JobRejected, decode_job, dequeue_many, register
 from mlxq.broker.recovery import requeue_abandoned
 from mlxq.broker.serializer import serializer
-from mlxq.engine.mlx_lm_batch import Completion, EngineJob, JobInputError
+from mlxq.engine.prompts import JobInputError
 from mlxq.engine.runner import Runner, Work
+from mlxq.engine.sampling import Completion, EngineJob
 from mlxq.wire import JobMeta, Request, Result
 from mlxq.worker.outcomes import InFlight, build_result, still_held, unrun_result, write_results
 from mlxq.worker.profile import DEFAULTS, STALL_TIMEOUT_S

@@ -1,0 +1,71 @@
+"""Where the slot engine meets mlx-lm's model modules: the one place with private detail.
+
+mlx-lm's attention layers (llama, qwen2, qwen3, mistral, phi3, ...; mlx-lm 0.32) use a cache
+through three calls: ``cache.offset`` (RoPE), ``cache.update_and_fetch(k, v)`` and
+``create_attention_mask(h, cache)`` (which calls ``cache.make_mask``); then they call
+``scaled_dot_product_attention`` imported from ``mlx_lm.models.base`` into their own
+module. That last call is not a cache method, so :func:`install` rebinds the name in the
+model's modules to :func:`_sdpa`, which hands slot-cache layers to
+:meth:`~mlxq.engine.slot_cache.SlotLayer.attend` and passes every other cache through to
+mlx-lm's function unchanged (other engines and plain mlx-lm calls behave as before).
+
+:func:`unsupported` says why a model cannot run on slot caches (or None): its cache must
+be a plain ``KVCache`` per layer (no sliding window, no SSM state, no MLA latent cache)
+and its attention must go through a rebindable ``scaled_dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import base
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from mlxq.engine.slot_cache import SlotLayer
+
+_ORIGINAL = base.scaled_dot_product_attention
+_NAME = "scaled_dot_product_attention"
+
+
+def _sdpa(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: Any,
+    scale: float,
+    mask: Any,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    if isinstance(cache, SlotLayer) and sinks is None:
+        return cache.attend(queries, scale)
+    return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _model_modules(model: nn.Module) -> list[Any]:
+    """The Python modules that define the model's layers (the model may wrap them)."""
+    names = {type(m).__module__ for _, m in model.named_modules()}
+    return [sys.modules[n] for n in sorted(names) if n in sys.modules]
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why the slot engine cannot run this model, or None if it can."""
+    try:
+        caches = make_prompt_cache(model)
+    except Exception as exc:  # a model without the usual layers
+        return f"its cache cannot be made ({type(exc).__name__}: {exc})"
+    kinds = sorted({type(c).__name__ for c in caches if type(c) is not KVCache})
+    if kinds:
+        return f"its cache is {', '.join(kinds)}, not a plain KVCache per layer"
+    if not any(getattr(m, _NAME, None) in (_ORIGINAL, _sdpa) for m in _model_modules(model)):
+        return "its attention does not call mlx_lm.models.base.scaled_dot_product_attention"
+    return None
+
+
+def install(model: nn.Module) -> None:
+    """Route the model's attention calls through :func:`_sdpa` (idempotent)."""
+    for module in _model_modules(model):
+        if getattr(module, _NAME, None) is _ORIGINAL:
+            setattr(module, _NAME, _sdpa)

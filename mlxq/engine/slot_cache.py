@@ -1,0 +1,162 @@
+"""The slot KV cache: per layer, preallocated ``[slots, kv_heads, capacity, head_dim]``.
+
+Each running job owns one slot (a row) from a free list, lowest first, so live rows stay
+packed at the front. ``lengths[slot]`` counts the tokens in its cache. Freeing a slot is
+bookkeeping only: no tensor work, no device sync; the next owner overwrites it.
+
+- **Prefill** writes a joining group's keys and values into its slots at once
+  (:meth:`SlotCache.write`), one scatter per layer.
+- **Decode** writes one position per row (:class:`SlotLayer.update_and_fetch`, a scatter
+  at each row's own length) and attends over each *group* of rows up to that group's
+  longest row (:class:`DecodeState`), so short rows do not pay for the batch's longest.
+- **Capacity** grows in steps (``step`` positions) when a row would outgrow it: one copy
+  of the live rows per growth.
+
+:class:`SlotLayer` is the cache object mlx-lm's model modules see during decode: they read
+``offset`` (each row's position, an array: RoPE takes per-row offsets), call
+``update_and_fetch`` and ``make_mask``; the attention call itself reaches
+:meth:`SlotLayer.attend` through :mod:`mlxq.engine.mlx_lm_seam`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlxq.engine.attention import Kernel
+
+# Attention spans are rounded up to this many positions (fewer distinct shapes).
+SPAN_ROUND = 32
+
+
+class SlotCache:
+    """Keys and values of every layer for ``slots`` rows; allocated at the first write."""
+
+    def __init__(self, num_layers: int, slots: int, step: int = 256) -> None:
+        self.num_layers, self.slots, self.step = num_layers, slots, step
+        self.keys: list[mx.array] = []
+        self.values: list[mx.array] = []
+        self.capacity = 0
+        self.lengths = [0] * slots
+        self._free = list(range(slots))  # a heap: the lowest free slot first
+
+    @property
+    def free_slots(self) -> int:
+        """Slots no job holds."""
+        return len(self._free)
+
+    def alloc(self) -> int:
+        """Take the lowest free slot (raises ``IndexError`` when none is free)."""
+        slot = heapq.heappop(self._free)
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Give a slot back: bookkeeping only, its stale keys are overwritten by the next job."""
+        self.lengths[slot] = 0
+        heapq.heappush(self._free, slot)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the preallocated arrays hold."""
+        return sum(a.nbytes for a in self.keys + self.values)
+
+    def reserve(self, tokens: int) -> None:
+        """Grow every layer so that each slot holds at least ``tokens`` positions."""
+        if tokens <= self.capacity or not self.keys:
+            return
+        grown = -(-tokens // self.step) * self.step
+        for layer in range(self.num_layers):
+            self.keys[layer] = _grow(self.keys[layer], grown)
+            self.values[layer] = _grow(self.values[layer], grown)
+        mx.eval(self.keys, self.values)
+        self.capacity = grown
+
+    def write(self, slots: list[int], layer: int, keys: mx.array, values: mx.array) -> None:
+        """Write ``[len(slots), kv_heads, n, dim]`` keys and values at positions ``0..n-1``."""
+        n = keys.shape[2]
+        if not self.keys:
+            self._allocate(keys, values, n)
+        self.reserve(n)
+        idx = mx.array(slots)
+        self.keys[layer][idx, :, :n, :] = keys
+        self.values[layer][idx, :, :n, :] = values
+
+    def _allocate(self, keys: mx.array, values: mx.array, n: int) -> None:
+        self.capacity = -(-max(n, 1) // self.step) * self.step
+        _, heads, _, k_dim = keys.shape
+        shape_k = (self.slots, heads, self.capacity, k_dim)
+        shape_v = (self.slots, heads, self.capacity, values.shape[3])
+        self.keys = [mx.zeros(shape_k, keys.dtype) for _ in range(self.num_layers)]
+        self.values = [mx.zeros(shape_v, values.dtype) for _ in range(self.num_layers)]
+
+
+def _grow(a: mx.array, capacity: int) -> mx.array:
+    pad = mx.zeros((*a.shape[:2], capacity - a.shape[2], a.shape[3]), a.dtype)
+    return mx.concatenate([a, pad], axis=2)
+
+
+@dataclass
+class DecodeState:
+    """What every layer of one decode step shares: rows, positions, groups and masks.
+
+    Rows are slots ``0..rows-1``; ``positions[i]`` is where row ``i``'s new token goes
+    (its length before the step; 0 for a free slot, which then attends its own
+    position 0 and stays finite). ``groups`` are ``(start, end, span)`` runs of rows with
+    their own attention span.
+    """
+
+    positions: mx.array
+    groups: list[tuple[int, int, int]]
+    masks: list[mx.array]
+    kernel: Kernel
+    write_at: tuple[mx.array, mx.array, mx.array] | None = None  # scatter indices, per step
+
+    @classmethod
+    def make(cls, lengths: list[int], group_rows: int, kernel: Kernel) -> DecodeState:
+        """The state for rows of these lengths, grouped ``group_rows`` at a time."""
+        groups, masks = [], []
+        for start in range(0, len(lengths), group_rows):
+            end = min(start + group_rows, len(lengths))
+            span = -(-(max(lengths[start:end]) + 1) // SPAN_ROUND) * SPAN_ROUND
+            groups.append((start, end, span))
+            valid = mx.array(lengths[start:end]) + 1
+            masks.append((mx.arange(span)[None] < valid[:, None])[:, None, None, :])
+        return cls(mx.array(lengths), groups, masks, kernel)
+
+
+class SlotLayer:
+    """One layer's view of the slot cache during a decode step (mlx-lm's cache interface)."""
+
+    def __init__(self, cache: SlotCache, layer: int, state: DecodeState) -> None:
+        self.cache, self.layer, self.state = cache, layer, state
+        self.offset = state.positions  # RoPE takes an array of per-row offsets
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write each row's new key and value at its own position; return the layer's arrays."""
+        c, layer, state = self.cache, self.layer, self.state
+        if state.write_at is None:  # the same for every layer: made once per step
+            rows, heads = keys.shape[:2]
+            state.write_at = (
+                mx.arange(rows)[:, None],
+                mx.arange(heads)[None, :],
+                state.positions[:, None],
+            )
+        c.keys[layer][state.write_at] = keys[:, :, 0, :]
+        c.values[layer][state.write_at] = values[:, :, 0, :]
+        return c.keys[layer], c.values[layer]
+
+    def make_mask(self, n: int, **_: object) -> None:
+        """No mask object: :meth:`attend` masks each group by its rows' lengths."""
+        return None
+
+    def attend(self, queries: mx.array, scale: float) -> mx.array:
+        """Attention of each row's query over its own positions, group by group."""
+        keys, values = self.cache.keys[self.layer], self.cache.values[self.layer]
+        kernel, outs = self.state.kernel, []
+        for (start, end, span), mask in zip(self.state.groups, self.state.masks, strict=True):
+            k, v = keys[start:end, :, :span], values[start:end, :, :span]
+            outs.append(kernel(queries[start:end], k, v, scale, mask))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)

@@ -1,0 +1,416 @@
+"""The slot engine: continuous batching over a preallocated slot KV cache.
+
+Same contract as the ``BatchGenerator`` engine (:class:`~mlxq.engine.protocol.BatchEngine`;
+per-job samplers, seeds, repetition penalty, stop strings, logprobs, streaming, cancel,
+``max_tokens``, EOS), without its whole-cache copies: every job owns a slot of
+:class:`~mlxq.engine.slot_cache.SlotCache`. A finished job frees its slot with no tensor
+work. Joining jobs wait until a group of them is worth a prefill call (hysteresis: at
+least ``join_group`` waiting, or nothing decoding, or waited ``JOIN_WAIT_STEPS`` steps),
+are prefilled as their own batch (:mod:`mlxq.engine.slot_prefill`; prompts within 2x of
+each other's length, so right-padding wastes little) and written into free slots; each
+decode step then feeds every row one token at its own position.
+
+Per-step logits processing over the whole batch: ``hooks`` is a list of
+:class:`~mlxq.engine.protocol.BatchLogitsHook`. After the per-row processors
+(repetition penalty) and before sampling, each hook's ``process(logits, rows)`` gets the
+step's ``[rows, vocab]`` logits (one row per decoding job, in slot order; free slots are
+already dropped) with ``rows`` the jobs' keys, and returns new logits (e.g. a grammar
+mask filled once for all constrained rows, applied on the device). After sampling,
+``accept(rows, tokens)`` gets each row's chosen token (EOS included) so a matcher can
+advance. A hook hears of a job when it starts decoding (``admit(key, request)``) and
+when it leaves, for any reason (``release(key)``).
+
+With ``prefix_cache_bytes``, a job starts from the stored KV of a recurring prompt prefix
+(:mod:`mlxq.engine.prefix_cache`): the prefix is written into its group's rows and only
+the rest is prefilled; a job whose prefix recurs stores it from its rows after prefill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.sample_utils import make_logits_processors
+
+from mlxq.engine import mlx_lm_seam
+from mlxq.engine.attention import choose_kernel
+from mlxq.engine.hardware import backend_name
+from mlxq.engine.model_facts import model_info
+from mlxq.engine.prefix_cache import Plan, make_prefix_cache
+from mlxq.engine.prompts import JobInputError, PromptEncoder, error_line
+from mlxq.engine.protocol import BatchLogitsHook, warm_up
+from mlxq.engine.sampling import (
+    Completion,
+    EngineJob,
+    RunningJob,
+    StreamChunk,
+    make_job_sampler,
+    token_logprobs,
+)
+from mlxq.engine.slot_cache import SlotCache
+from mlxq.engine.slot_decode import Row, Step, launch
+from mlxq.engine.slot_prefill import prefill_group
+from mlxq.engine.stats import EngineStats
+from mlxq.wire import FinishReason, Request, TokenLogprob
+
+log = logging.getLogger("mlxq.engine.slot_engine")
+# Joining jobs wait at most this many decode steps for their group to fill.
+# (Joining at once measured no better on the CPU, where a prefill call costs its tokens.)
+JOIN_WAIT_STEPS = 4
+
+
+@dataclass
+class _Waiting:
+    run: RunningJob
+    plan: Plan | None = None
+    planned: bool = False
+    since_step: int = 0
+
+
+def _similar(n: int, base: int) -> bool:
+    """Whether prompts left to prefill of ``n`` and ``base`` tokens share a prefill call
+    (right-padded to the longer: within 2x, or 64 tokens, of each other)."""
+    return n <= 2 * base + 64 and base <= 2 * n + 64
+
+
+class SlotEngine:
+    """Continuous batching of generation jobs over one model on slot caches."""
+
+    @classmethod
+    def from_loaded(cls, model: nn.Module, tokenizer: Any, name: str, **options: Any) -> SlotEngine:
+        """The constructor, spelled as the BatchGenerator engine's."""
+        return cls(model, tokenizer, name, **options)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        name: str,
+        *,
+        max_batch: int = 32,
+        prefill_batch: int = 8,
+        prefill_step: int = 2048,
+        prefix_cache_bytes: int = 0,
+        attention: str | None = None,
+        hooks: list[BatchLogitsHook] | None = None,
+    ) -> None:
+        """An engine over a loaded mlx-lm model and its ``TokenizerWrapper``.
+
+        ``attention`` overrides the decode attention chosen for the backend ("gqa" or
+        "fused"); ``hooks`` process each decode step's logits (module docstring).
+        Raises ``ValueError`` if the model's cache cannot live in slots.
+        """
+        why = mlx_lm_seam.unsupported(model)
+        if why is not None:
+            raise ValueError(f"the slot engine cannot run {name}: {why}")
+        mlx_lm_seam.install(model)
+        self.model, self.tokenizer = model, tokenizer
+        self.info = model_info(model, name, vocab_size=len(tokenizer))
+        self._prompts = PromptEncoder(tokenizer, self.info)
+        self.max_batch, self.prefill_step = max_batch, prefill_step
+        self.prefill_batch = max(1, min(prefill_batch, max_batch))
+        self.hooks = list(hooks or [])
+        self.attention, self._kernel = choose_kernel(backend_name(), attention)
+        self.join_wait = JOIN_WAIT_STEPS
+        log.info("slot engine: %s decode attention, batch %d", self.attention, max_batch)
+        self._eos = set(tokenizer.eos_token_ids)
+        self._cache = SlotCache(self.info.num_layers, max_batch)
+        self._rows: dict[int, Row] = {}  # by slot
+        self._keys: dict[str, int] = {}  # job key -> slot
+        self._waiting: list[_Waiting] = []
+        self._chunks: list[StreamChunk] = []
+        self._prefix = make_prefix_cache(model, self.info, prefix_cache_bytes)
+        self._stats = EngineStats()
+        self._steps = 0
+        self._inflight: Step | None = None  # the decode step launched, not yet collected
+
+    # -- the BatchEngine interface, bookkeeping --
+
+    @property
+    def active(self) -> int:
+        """Jobs admitted and not finished (decoding or waiting to join)."""
+        return len(self._rows) + len(self._waiting)
+
+    @property
+    def join_group(self) -> int:
+        """Waiting jobs worth one prefill call while others decode."""
+        return max(1, min(self.prefill_batch, self.max_batch // 8))
+
+    def encode(self, request: Request) -> list[int]:
+        """The prompt's token ids; raises :class:`JobInputError` if it cannot run."""
+        return self._prompts.encode(request)
+
+    def prefill_length(self, tokens: list[int]) -> int:
+        """Tokens of this prompt the engine will likely prefill (less a cached prefix)."""
+        return len(tokens) if self._prefix is None else self._prefix.uncached_length(tokens)
+
+    def set_prefill_batch(self, n: int) -> None:
+        """Prefill up to ``n`` prompts together from the next step on."""
+        self.prefill_batch = max(1, min(n, self.max_batch))
+
+    def stats(self) -> EngineStats:
+        """Counts of prompt, decode and prefix-cache work so far."""
+        out = dataclasses.replace(self._stats)
+        if self._prefix is not None:
+            out = dataclasses.replace(out, **self._prefix.counts())
+            out.prefill_seconds += self._prefix.seconds
+        return out
+
+    def take_stream(self) -> list[StreamChunk]:
+        """New output of stream jobs since the last call (finished jobs' rest included in
+        their last chunk, before their Completion)."""
+        chunks, self._chunks = self._chunks, []
+        return chunks
+
+    def add(self, job: EngineJob, tokens: list[int] | None = None) -> Completion | None:
+        """Queue a job to join the batch; an "error" Completion if it cannot run.
+
+        Raises ``ValueError`` if a job with the same key is already in the engine.
+        """
+        if job.key in self._keys or any(w.run.job.key == job.key for w in self._waiting):
+            raise ValueError(f"job {job.key} is already in the engine")
+        now = time.time()
+        try:
+            tokens = self._prompts.prompt_tokens(job.request) if tokens is None else list(tokens)
+            self._prompts.check_tokens(tokens, job.request.max_tokens)
+        except JobInputError as exc:
+            return Completion(job.key, "error", error=str(exc), admitted_at=now, finished_at=now)
+        run = RunningJob.start(job, tokens, self.tokenizer, now)
+        self._stats.prompt_tokens += len(tokens)
+        if self._prefix is not None:
+            self._prefix.observe(tokens)
+        self._waiting.append(_Waiting(run, since_step=self._steps))
+        return None
+
+    def cancel(self, key: str) -> Completion | None:
+        """Remove a job at once: a "cancelled" Completion, or None if unknown."""
+        for w in self._waiting:
+            if w.run.job.key == key:
+                self._waiting.remove(w)
+                if w.plan is not None:
+                    w.plan.release()
+                return w.run.completion("cancelled", "")
+        slot = self._keys.get(key)
+        return None if slot is None else self._finish(slot, "cancelled")
+
+    def warmup(self) -> None:
+        """Run one tiny generation so that the first real jobs skip compile/alloc costs."""
+        warm_up(self)
+
+    def close(self) -> None:
+        """Drop all jobs and the slot cache."""
+        self._rows.clear()
+        self._keys.clear()
+        self._waiting.clear()
+        self._inflight = None
+        if self._prefix is not None:
+            self._prefix.clear()
+        self._cache = SlotCache(self.info.num_layers, self.max_batch)
+
+    # -- running --
+
+    def step(self) -> list[Completion]:
+        """Prefill a joining group if one is due, then one decode step of every row.
+
+        Returns the jobs that finished in this step.
+        """
+        done = self._join() if self._join_due() else []
+        if self._rows:
+            done += self._decode()
+        elif self._inflight is not None:  # its rows all left (cancelled)
+            self._inflight = None
+        self._steps += 1
+        return done
+
+    def _join_due(self) -> bool:
+        free = self._cache.free_slots
+        if not self._waiting or not free:
+            return False
+        if not self._rows or len(self._waiting) >= min(self.join_group, free):
+            return True
+        return self._steps - self._waiting[0].since_step >= self.join_wait
+
+    def _join(self) -> list[Completion]:
+        """Plan, prefill and seat the next group of waiting jobs (one prefill batch)."""
+        group: list[_Waiting] = []
+        key, base = None, 0
+        limit = min(self.prefill_batch, self._cache.free_slots)
+        for w in self._waiting:
+            if len(group) >= limit:
+                break
+            if self._prefix is not None and not w.planned:
+                w.plan = self._prefix.plan(w.run.prompt)
+                if w.plan is None:
+                    continue  # its prefix is being computed by another job: wait
+                w.planned = True
+            leaf = w.plan.reused[-1] if w.plan is not None and w.plan.reused else None
+            n = len(w.run.prompt) - (w.plan.reused_tokens if w.plan is not None else 0)
+            if group and (leaf is not key or not _similar(n, base)):
+                continue  # another cached prefix, or padding it would waste: a later group
+            if not group:
+                key, base = leaf, n
+            group.append(w)
+        if not group:
+            return []
+        for w in group:
+            self._waiting.remove(w)
+        return self._prefill(group)
+
+    def _prefill(self, group: list[_Waiting]) -> list[Completion]:
+        slots = [self._cache.alloc() for _ in group]
+        plan = group[0].plan
+        reused = plan.reused_tokens if plan is not None else 0
+        prefix = self._prefix.kv_cache(plan) if plan is not None and self._prefix else None
+        suffixes = [w.run.prompt[reused:-1] for w in group]
+        tic = time.perf_counter()
+        if self._inflight is not None:
+            # Let the step in flight finish first: while its attention still reads the
+            # cache, writing the group's rows would copy every layer instead of updating it.
+            mx.eval(self._inflight.sampled, self._inflight.logprobs)
+        try:
+            rows = prefill_group(
+                self.model, self._cache, slots, suffixes, prefix, self.prefill_step
+            )
+        except Exception as exc:
+            mx.clear_cache()
+            return [self._drop(w, slot, exc) for w, slot in zip(group, slots, strict=True)]
+        self._stats.prefilled_tokens += sum(len(s) for s in suffixes)
+        self._stats.prefill_seconds += time.perf_counter() - tic
+        for i, (w, slot) in enumerate(zip(group, slots, strict=True)):
+            if w.plan is not None and w.plan.store:
+                store_to = w.plan.store_to
+                w.plan.owner.store(w.plan, rows.row(i), w.run.prompt[:store_to], w.run.prompt)
+            self._seat(w, slot)
+        return []
+
+    def _drop(self, w: _Waiting, slot: int, exc: Exception) -> Completion:
+        self._cache.free(slot)
+        if w.plan is not None:
+            w.plan.release()
+        return w.run.completion("error", "", f"could not start the job: {error_line(exc)}")
+
+    def _seat(self, w: _Waiting, slot: int) -> None:
+        req = w.run.job.request
+        penalty = req.repetition_penalty
+        processors = [] if penalty is None else make_logits_processors(repetition_penalty=penalty)
+        sampler = make_job_sampler(req, self.info.vocab_size)
+        w.run.plan = w.plan
+        self._rows[slot] = Row(w.run, slot, sampler, processors, w.run.prompt[-1])
+        self._keys[w.run.job.key] = slot
+        for hook in self.hooks:
+            hook.admit(w.run.job.key, req)
+
+    def _decode(self) -> list[Completion]:
+        """Wait for the step in flight, launch the next, then do the bookkeeping of the one
+        before while the next computes (:mod:`mlxq.engine.slot_decode`); synchronous when
+        a row needs host tokens."""
+        tic, done = time.perf_counter(), []
+        sync = bool(self.hooks) or any(r.processors for r in self._rows.values())
+        if sync and self._inflight is not None:
+            done += self._collect(self._inflight)
+            self._inflight = None
+        prev, rows, step = self._inflight, self._launchable(), None
+        if prev is not None:
+            # Wait for it (not for its bookkeeping): while a computation that reads the
+            # cache is pending, the next step's writes would copy every layer's cache.
+            mx.eval(prev.sampled, prev.logprobs)
+        if rows:
+            try:
+                step = launch(self.model, self._cache, self._kernel, rows, prev, self.hooks)
+            except Exception as exc:
+                return done + self._fail_batch(exc)
+        self._inflight = None if sync else step
+        if prev is not None:
+            done += self._collect(prev)
+        if sync and step is not None:
+            done += self._collect(step)
+        self._stats.decode_seconds += time.perf_counter() - tic
+        return done
+
+    def _launchable(self) -> list[Row]:
+        """Rows to decode next, in slot order: all but those whose step in flight gives
+        them their last token (``max_tokens``)."""
+        step = self._inflight
+        pending = set() if step is None else {id(r) for r in step.rows}
+        return [
+            r
+            for _, r in sorted(self._rows.items())
+            if len(r.run.tokens) + (id(r) in pending) < r.run.job.request.max_tokens
+        ]
+
+    def _collect(self, step: Step) -> list[Completion]:
+        """The step's tokens to the host: record them, finish rows that ended."""
+        try:
+            tokens = step.sampled.tolist()
+        except Exception as exc:
+            self._inflight = None
+            return self._fail_batch(exc)
+        live = [(i, r) for i, r in enumerate(step.rows) if self._rows.get(r.slot) is r]
+        if self.hooks:
+            keys = [r.run.job.key for _, r in live]
+            for hook in self.hooks:
+                hook.accept(keys, [tokens[i] for i, _ in live])
+        self._stats.generated_tokens += len(live)
+        lp = self._logprobs(step, tokens, live)
+        now, done = time.time(), []
+        for i, row in live:
+            token, run = tokens[i], row.run
+            if run.first_token_at is None:
+                run.first_token_at = now
+            run.last_token_at = now
+            reason: FinishReason | None = None
+            if token in self._eos:
+                reason = "stop"  # EOS: not part of the output
+            elif run.add_token(token, lp.get(i)):
+                reason = "stop"
+            elif len(run.tokens) >= run.job.request.max_tokens:
+                reason = "length"
+            if reason is not None:
+                done.append(self._finish(row.slot, reason))
+            else:
+                row.next_input = token
+                if run.job.request.stream:
+                    run.stream_update(self.tokenizer, self._chunks)
+        return done
+
+    def _logprobs(
+        self, step: Step, tokens: list[int], live: list[tuple[int, Row]]
+    ) -> dict[int, TokenLogprob]:
+        """Logprobs of the step's rows that asked for them (not for EOS), by row index."""
+        wanted = [
+            (i, n)
+            for i, r in live
+            if (n := r.run.job.request.logprobs) is not None and tokens[i] not in self._eos
+        ]
+        if not wanted:
+            return {}
+        rows = mx.array([i for i, _ in wanted])
+        picked = token_logprobs(
+            step.logprobs[rows], [tokens[i] for i, _ in wanted], [n for _, n in wanted]
+        )
+        return {i: lp for (i, _), lp in zip(wanted, picked, strict=True)}
+
+    def _finish(self, slot: int, reason: FinishReason, error: str | None = None) -> Completion:
+        row = self._rows.pop(slot)
+        run = row.run
+        del self._keys[run.job.key]
+        self._cache.free(slot)  # bookkeeping only
+        for hook in self.hooks:
+            hook.release(run.job.key)
+        if run.plan is not None:
+            run.plan.release()
+        return run.finish(reason, self.tokenizer, self._chunks, error)
+
+    def _fail_batch(self, exc: Exception) -> list[Completion]:
+        """Fail the decoding jobs; keep the waiting ones; start from a fresh slot cache."""
+        error = f"generation failed for the whole batch: {error_line(exc)}"
+        failed = [self._finish(slot, "error", error) for slot in list(self._rows)]
+        self._inflight = None
+        self._cache = SlotCache(self.info.num_layers, self.max_batch)
+        mx.clear_cache()
+        return failed

@@ -1,0 +1,74 @@
+"""Prefill of a joining group: its prompts as their own batch, written into their slots.
+
+A group's prompts share one cached prefix (or none): that prefix is copied once into
+the group's temporary cache, the rest of each prompt but its last token is right-padded
+to the group's longest and run through the model in chunks of ``step`` tokens with a
+plain causal mask (a pad only ever follows a row's real tokens, so no real token sees
+one), and every row's keys and values are then written into its slot. Each prompt's last
+token is fed by the row's first decode step, as in mlx-lm. A pad's keys land past the
+row's length, where decode masks them and then overwrites them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from mlxq.engine.slot_cache import SlotCache
+
+
+@dataclass
+class PrefillRows:
+    """The group's temporary cache after prefill: one row per joining job."""
+
+    caches: list[KVCache]
+
+    def row(self, i: int) -> list[KVCache]:
+        """Row ``i``'s keys and values per layer (the prefix cache copies blocks out of it)."""
+        out = []
+        for c in self.caches:
+            one = KVCache()
+            one.keys, one.values, one.offset = c.keys[i : i + 1], c.values[i : i + 1], c.offset
+            out.append(one)
+        return out
+
+
+def prefill_group(
+    model: nn.Module,
+    cache: SlotCache,
+    slots: list[int],
+    suffixes: list[list[int]],
+    prefix: list[KVCache] | None,
+    step: int,
+) -> PrefillRows:
+    """Prefill ``suffixes`` after the shared ``prefix`` and write the rows into ``slots``.
+
+    ``suffixes`` are the prompts less the prefix and less their last token (possibly
+    empty). Returns the temporary cache; ``cache.lengths`` is set for each slot.
+    """
+    rows = len(slots)
+    temp = make_prompt_cache(model)
+    start = 0
+    if prefix is not None:
+        for c, p in zip(temp, prefix, strict=True):
+            c.keys = mx.repeat(p.keys, rows, axis=0) if rows > 1 else p.keys
+            c.values = mx.repeat(p.values, rows, axis=0) if rows > 1 else p.values
+            c.offset = start = p.offset
+    longest = max(len(s) for s in suffixes)
+    if longest:
+        padded = mx.array([s + [0] * (longest - len(s)) for s in suffixes])
+        for at in range(0, longest, step):
+            model(padded[:, at : at + step], cache=temp)
+            mx.eval([a for c in temp for a in (c.keys, c.values)])
+    end = start + longest
+    if end:
+        cache.reserve(end + 1)
+        for layer, c in enumerate(temp):
+            cache.write(slots, layer, c.keys[..., :end, :], c.values[..., :end, :])
+        mx.eval(cache.keys, cache.values)
+    for slot, suffix in zip(slots, suffixes, strict=True):
+        cache.lengths[slot] = start + len(suffix)
+    return PrefillRows(temp)

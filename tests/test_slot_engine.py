@@ -1,0 +1,279 @@
+"""The slot engine: the same contract as the BatchGenerator engine, checked against mlx-lm.
+
+The engine-only tests of test_engine.py run here again on a slot engine (their ``engine``
+fixture is this module's); the rest are the slot engine's own: model families, joins and
+finishes mid-batch, prefix reuse, batch hooks, attention kernels, fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+import test_engine as base
+from mlx_lm.utils import load_tokenizer
+from test_engine import REQUESTS, FlakyModel, check_against_reference, reference, run_all
+
+from mlxq.engine.attention import KERNELS, choose_kernel, fused_decode, gqa_decode
+from mlxq.engine.factory import make_engine
+from mlxq.engine.mlx_lm_batch import Engine
+from mlxq.engine.protocol import BatchEngine
+from mlxq.engine.sampling import EngineJob
+from mlxq.engine.slot_engine import SlotEngine
+from mlxq.wire import Request
+
+
+@pytest.fixture
+def engine(tiny) -> SlotEngine:
+    model, tokenizer = tiny
+    return SlotEngine.from_loaded(model, tokenizer, "tiny")
+
+
+# test_engine's tests that use only the ``engine`` fixture, on the slot engine.
+test_batched_greedy_equals_single_requests = base.test_batched_greedy_equals_single_requests
+test_model_info = base.test_model_info
+test_encode = base.test_encode
+test_max_tokens_gives_length = base.test_max_tokens_gives_length
+test_logprobs = base.test_logprobs
+test_repetition_penalty_matches_mlx_lm = base.test_repetition_penalty_matches_mlx_lm
+test_bad_requests_fail_alone = base.test_bad_requests_fail_alone
+test_duplicate_key_is_refused = base.test_duplicate_key_is_refused
+test_timing_fields = base.test_timing_fields
+test_warmup_leaves_nothing_behind = base.test_warmup_leaves_nothing_behind
+test_stats_count_prompt_and_generated_tokens = base.test_stats_count_prompt_and_generated_tokens
+
+
+@pytest.mark.parametrize(
+    ("max_batch", "prefill_batch", "prefill_step", "join_every"),
+    [(32, 8, 2048, 3), (4, 2, 7, 2), (2, 1, 16, 1), (3, 3, 5, 0)],
+)
+def test_jobs_joining_mid_run_equal_single_requests(
+    tiny, max_batch: int, prefill_batch: int, prefill_step: int, join_every: int
+) -> None:
+    model, tokenizer = tiny
+    sizes = {"max_batch": max_batch, "prefill_batch": prefill_batch, "prefill_step": prefill_step}
+    for attention, join_wait in (("gqa", 4), ("fused", 0)):  # joins in groups, or at once
+        engine = SlotEngine.from_loaded(model, tokenizer, "tiny", attention=attention, **sizes)
+        engine.join_wait = join_wait
+        done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, join_every)
+        check_against_reference(tiny, engine, done)
+        assert engine._cache.free_slots == max_batch  # every slot given back
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Any]]:
+    from mlxq.engine.make_model import make_model
+
+    root = tmp_path_factory.mktemp("families")
+    presets = ("tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-phi3", "tiny-gemma3")
+    return {p: mlx_lm.load(str(make_model(root / p, p))) for p in presets}
+
+
+@pytest.mark.parametrize(
+    ("preset", "kind"),
+    [
+        ("tiny-qwen2", SlotEngine),
+        ("tiny-qwen3", SlotEngine),
+        ("tiny-mistral", SlotEngine),
+        ("tiny-phi3", SlotEngine),
+        ("tiny-gemma3", Engine),  # sliding-window layers: the fallback
+    ],
+)
+def test_model_families_equal_single_requests(
+    family_models: dict, preset: str, kind: type, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, tokenizer = family_models[preset]
+    with caplog.at_level(logging.INFO, logger="mlxq.engine"):
+        engine = make_engine(model, tokenizer, preset, max_batch=3, prefill_batch=2)
+    assert type(engine) is kind
+    fallback = [r for r in caplog.records if "BatchGenerator" in r.getMessage()]
+    assert len(fallback) == (kind is Engine)
+    done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, join_every=2)
+    check_against_reference((model, tokenizer), engine, done)
+
+
+def test_engines_satisfy_the_protocol(tiny) -> None:
+    import sys
+
+    from helpers import ROOT
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from queue_overhead import StubEngine
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    model, tokenizer = tiny
+    engines = [
+        SlotEngine.from_loaded(model, tokenizer, "t"),
+        Engine.from_loaded(model, tokenizer, "t"),
+    ]
+    for engine in [*engines, StubEngine(0.0)]:
+        assert isinstance(engine, BatchEngine), type(engine).__name__
+
+
+def test_seeded_sampling_is_reproducible_across_batches(tiny) -> None:
+    model, tokenizer = tiny
+
+    def sampled(seed: int, **kw: Any) -> Request:
+        return Request(prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=seed, **kw)
+
+    alone = run_all(SlotEngine.from_loaded(model, tokenizer, "t"), {"s": sampled(7)})["s"]
+    crowd = {
+        "g": Request(prompt="The capital of France is", max_tokens=20),
+        "x": sampled(8),
+        "s": sampled(7),
+        "y": sampled(7, top_p=0.9, top_k=50, min_p=0.05),
+    }
+    engine = SlotEngine.from_loaded(model, tokenizer, "t", max_batch=3, prefill_step=3)
+    mixed = run_all(engine, crowd, join_every=2)
+    assert mixed["s"].token_ids == alone.token_ids
+    assert mixed["x"].token_ids != alone.token_ids
+    greedy = reference(model, tokenizer, tokenizer.encode("Once upon a time"), sampled(7))
+    assert alone.token_ids != greedy["tokens"]
+
+
+def test_stop_strings_and_eos(tiny, tiny_model_dir: Path) -> None:
+    model, tokenizer = tiny
+    request = Request(prompt="The capital of France is", max_tokens=20)
+    ref = reference(model, tokenizer, tokenizer.encode(request.prompt), request)
+    text = ref["text"]
+    stop = text[9:12]
+    engine = SlotEngine.from_loaded(model, tokenizer, "tiny")
+    done = run_all(engine, {"one": Request(prompt=request.prompt, max_tokens=20, stop=[stop])})
+    assert done["one"].finish_reason == "stop" and done["one"].text == text[: text.find(stop)]
+    assert engine.stats().generated_tokens == len(done["one"].token_ids)  # left at once
+    eos = ref["tokens"][5]
+    eos_engine = SlotEngine.from_loaded(
+        model, load_tokenizer(tiny_model_dir, eos_token_ids=[eos]), "t"
+    )
+    out = run_all(eos_engine, {"a": request})["a"]
+    assert (
+        out.finish_reason == "stop" and out.token_ids == ref["tokens"][: ref["tokens"].index(eos)]
+    )
+
+
+def test_cancel_and_streaming(tiny, engine: SlotEngine) -> None:
+    model, tokenizer = tiny
+    engine.add(EngineJob("a", REQUESTS[0]))
+    streamed = Request(prompt=[5, 6, 7], max_tokens=24, stream=True)
+    engine.add(EngineJob("b", streamed))
+    for _ in range(5):
+        engine.step()
+    engine.add(EngineJob("waiting", Request(prompt=[1, 2, 3])))
+    cancelled = engine.cancel("a")
+    ref_a = reference(model, tokenizer, engine.encode(REQUESTS[0]), REQUESTS[0])["tokens"]
+    assert cancelled is not None and cancelled.finish_reason == "cancelled"
+    assert 0 < len(cancelled.token_ids) < len(ref_a)
+    assert cancelled.token_ids == ref_a[: len(cancelled.token_ids)]
+    waiting = engine.cancel("waiting")
+    assert waiting is not None and waiting.token_ids == [] and engine.cancel("a") is None
+    done = run_all(engine, {})
+    ref_b = reference(model, tokenizer, [5, 6, 7], streamed)["tokens"]
+    assert done["b"].token_ids == ref_b
+    chunks = [c for c in engine.take_stream() if c.key == "b"]
+    assert [t for c in chunks for t in c.token_ids] == ref_b
+    assert "".join(c.text for c in chunks) == done["b"].text
+
+
+def test_model_error_fails_the_batch_and_engine_recovers(tiny) -> None:
+    model, tokenizer = tiny
+    flaky = FlakyModel(model)
+    engine = SlotEngine.from_loaded(flaky, tokenizer, "tiny", max_batch=2, prefill_batch=2)
+    for i in range(3):
+        engine.add(EngineJob(str(i), REQUESTS[i]))
+    engine.step()
+    flaky.fail = True
+    failed = engine.step()
+    flaky.fail = False
+    assert sorted(c.key for c in failed) == ["0", "1"]
+    assert all(c.finish_reason == "error" and "out of memory" in c.error for c in failed)
+    assert engine.active == 1  # the job waiting for a slot was kept
+    done = run_all(engine, {"3": REQUESTS[3]})
+    for key in ("2", "3"):
+        request = REQUESTS[int(key)]
+        assert (
+            done[key].token_ids
+            == reference(model, tokenizer, engine.encode(request), request)["tokens"]
+        )
+
+
+def test_prefix_reuse_writes_the_prefix_into_slots(tiny) -> None:
+    model, tokenizer = tiny
+    shared = list(range(3, 200))
+    jobs = {f"j{i}": Request(prompt=[*shared, 300 + i, 301 + i], max_tokens=8) for i in range(6)}
+    plain = run_all(SlotEngine.from_loaded(model, tokenizer, "t", max_batch=4), dict(jobs), 2)
+    engine = SlotEngine.from_loaded(model, tokenizer, "t", max_batch=4, prefix_cache_bytes=1 << 24)
+    reused = run_all(engine, dict(jobs), join_every=2)
+    assert {k: c.token_ids for k, c in reused.items()} == {k: c.token_ids for k, c in plain.items()}
+    stats = engine.stats()
+    assert stats.prefix_hits >= 4 and stats.reused_tokens >= 4 * 192
+    assert stats.prefilled_tokens < sum(len(r.prompt) for r in jobs.values()) - 4 * 192
+
+
+class BanToken:
+    """A batch hook that forbids one token in every row and records what it saw."""
+
+    def __init__(self, token: int) -> None:
+        self.token, self.admitted, self.accepted, self.released = token, [], [], []
+
+    def admit(self, key: str, request: Request) -> None:
+        self.admitted.append(key)
+
+    def process(self, logits: mx.array, rows: list[str]) -> mx.array:
+        assert logits.shape[0] == len(rows)
+        ban = mx.arange(logits.shape[-1]) == self.token
+        return mx.where(ban, -mx.inf, logits)
+
+    def accept(self, rows: list[str], tokens: list[int]) -> None:
+        self.accepted.extend(zip(rows, tokens, strict=True))
+
+    def release(self, key: str) -> None:
+        self.released.append(key)
+
+
+def test_batch_hooks_see_every_row(tiny) -> None:
+    model, tokenizer = tiny
+    free = run_all(SlotEngine.from_loaded(model, tokenizer, "t"), {"a": REQUESTS[0]})["a"]
+    hook = BanToken(free.token_ids[2])
+    engine = SlotEngine.from_loaded(model, tokenizer, "t", hooks=[hook])
+    done = run_all(engine, {"a": REQUESTS[0], "b": REQUESTS[2]})
+    assert hook.token not in done["a"].token_ids
+    assert done["a"].token_ids[:2] == free.token_ids[:2] and done["a"].token_ids != free.token_ids
+    assert sorted(hook.admitted) == sorted(hook.released) == ["a", "b"]
+    assert [t for k, t in hook.accepted if k == "b"] == done["b"].token_ids
+
+
+def test_decode_kernels_agree_and_free_rows_stay_finite() -> None:
+    rows, q_heads, kv_heads, span, dim = 5, 8, 2, 64, 16
+    keys = mx.random.split(mx.random.key(0), 3)
+    q = mx.random.normal((rows, q_heads, 1, dim), key=keys[0])
+    k = mx.random.normal((rows, kv_heads, span, dim), key=keys[1])
+    v = mx.random.normal((rows, kv_heads, span, dim), key=keys[2])
+    lengths = mx.array([1, 10, 33, 64, 0])  # the last row is a free slot: nothing valid
+    mask = (mx.arange(span)[None] < lengths[:, None])[:, None, None, :]
+    own = gqa_decode(q, k, v, dim**-0.5, mask)
+    assert not mx.isnan(own).any().item()
+    fused = fused_decode(q[:4], k[:4], v[:4], dim**-0.5, mask[:4])
+    assert mx.allclose(own[:4], fused, atol=1e-5).item()
+    compiled = KERNELS["gqa-compiled"](q, k, v, dim**-0.5, mask)
+    assert mx.allclose(compiled, own, atol=1e-6).item()
+    assert choose_kernel("cuda")[0] == "gqa" and choose_kernel("metal")[0] == "fused"
+    with pytest.raises(ValueError, match="gqa"):
+        choose_kernel("cpu", "flash")
+
+
+def test_lora_adapter_equals_mlx_lm(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from test_lora import JOBS, make_adapter
+
+    adapter = make_adapter(tiny_model_dir, tmp_path / "lora")
+    model, tokenizer = mlx_lm.load(str(tiny_model_dir), adapter_path=str(adapter))
+    engine = make_engine(model, tokenizer, "lora", max_batch=2, prefill_batch=2)
+    assert type(engine) is SlotEngine
+    done = run_all(engine, dict(JOBS), join_every=1)
+    for key, request in JOBS.items():
+        expected = reference(model, tokenizer, engine.encode(request), request)["tokens"]
+        assert done[key].token_ids == expected, key

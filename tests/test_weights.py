@@ -1,0 +1,52 @@
+"""Weight format per backend: quantized weights dequantized at load on CUDA, kept elsewhere."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from mlxq.engine.make_model import build_model
+from mlxq.engine.weights import dequantized_bytes, prepare_weights
+
+
+def quantized_tiny() -> nn.Module:
+    model, _ = build_model("tiny")
+    nn.quantize(model, group_size=32, bits=8)
+    return model
+
+
+def linear_kinds(model: nn.Module) -> set[str]:
+    return {type(m).__name__ for _, m in model.named_modules() if "Linear" in type(m).__name__}
+
+
+def test_auto_keeps_quantized_weights_off_cuda(caplog: pytest.LogCaptureFixture) -> None:
+    model = quantized_tiny()
+    with caplog.at_level(logging.INFO, logger="mlxq.engine"):
+        out = prepare_weights(model, "metal", 1 << 34, "auto")
+    assert linear_kinds(out) == {"QuantizedLinear"}
+    assert "kept quantized (metal has fast quantized kernels)" in caplog.text
+
+
+def test_auto_dequantizes_on_cuda_when_it_fits(caplog: pytest.LogCaptureFixture) -> None:
+    model = quantized_tiny()
+    tokens = mx.array([[5, 6, 7, 8]])
+    before = model(tokens)
+    need = dequantized_bytes(model)
+    assert need > 0
+    with caplog.at_level(logging.INFO, logger="mlxq.engine"):
+        kept = prepare_weights(model, "cuda", need, "auto")  # needs 2x: does not fit
+        assert linear_kinds(kept) == {"QuantizedLinear"} and "exceeds 50%" in caplog.text
+        out = prepare_weights(model, "cuda", 4 * need, "auto")
+    assert linear_kinds(out) == {"Linear"} and "dequantizing" in caplog.text
+    assert mx.allclose(out(tokens), before, atol=1e-4).item()  # the same model, unpacked
+
+
+def test_on_and_off_override_the_backend() -> None:
+    assert linear_kinds(prepare_weights(quantized_tiny(), "cpu", 1, "on")) == {"Linear"}
+    off = prepare_weights(quantized_tiny(), "cuda", 1 << 40, "off")
+    assert linear_kinds(off) == {"QuantizedLinear"}
+    with pytest.raises(ValueError, match="auto, on, off"):
+        prepare_weights(quantized_tiny(), "cuda", 1, "maybe")
