@@ -24,6 +24,7 @@ import mlx_lm
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
+from mlxq.engine.constraints_mlx_lm import BatchGeneratorConstraints
 from mlxq.engine.model_facts import model_info
 from mlxq.engine.prefix_cache import Plan, make_prefix_cache
 from mlxq.engine.sampling import (
@@ -35,6 +36,7 @@ from mlxq.engine.sampling import (
     token_logprobs,
 )
 from mlxq.engine.stats import EngineStats, with_counters
+from mlxq.formats.constraints import ConstraintError
 from mlxq.wire import FinishReason, Request, TokenLogprob
 
 # Used when a model's config does not say how long its context is.
@@ -51,6 +53,12 @@ def _error_line(exc: BaseException) -> str:
     if "memory" in line.lower() or "alloc" in line.lower():
         return f"{line} (out of memory: lower max_batch or prefill_step, or send shorter jobs)"
     return line
+
+
+def _logits_width(model: nn.Module, tokenizer: Any) -> int:
+    """How many logits the model outputs per token (at least the tokenizer's vocabulary)."""
+    args = getattr(model, "args", None)
+    return max(len(tokenizer), getattr(args, "vocab_size", 0) or 0)
 
 
 class Engine:
@@ -106,6 +114,8 @@ class Engine:
         self._chunks: list[StreamChunk] = []  # stream jobs' new output, see take_stream
         self._prefix = make_prefix_cache(model, self.info, prefix_cache_bytes)
         self._stats = EngineStats()  # admitted prompts; counters of generators replaced
+        # [constraints] Structured outputs (response_format): the matchers, keyed by uid.
+        self._constraints = BatchGeneratorConstraints(tokenizer, _logits_width(model, tokenizer))
         self._gen = self._new_generator()
 
     def prefill_length(self, tokens: list[int]) -> int:
@@ -212,10 +222,11 @@ class Engine:
         try:
             tokens = self._prompt_tokens(job.request) if tokens is None else list(tokens)
             self._check_tokens(tokens, job.request.max_tokens)
-        except JobInputError as exc:
+            constraint = self._constraints.job(job.request.response_format)  # [constraints]
+        except (JobInputError, ConstraintError) as exc:
             return Completion(job.key, "error", error=str(exc), admitted_at=now, finished_at=now)
         detokenizer = self.tokenizer.detokenizer if job.request.stop else None
-        run = RunningJob(job, tokens, detokenizer, now)
+        run = RunningJob(job, tokens, detokenizer, now, constraint=constraint)
         run.logprobs = None if job.request.logprobs is None else []
         self._stats.prompt_tokens += len(tokens)
         if self._prefix is not None:  # planned at the next step, once the burst is counted
@@ -229,6 +240,9 @@ class Engine:
         req = run.job.request
         penalty = req.repetition_penalty
         processors = [] if penalty is None else make_logits_processors(repetition_penalty=penalty)
+        row = None if run.constraint is None else self._constraints.processor(run.constraint)
+        if row is not None:  # [constraints] after the penalty, before sampling
+            processors.append(row)
         sampler = make_job_sampler(req, self.info.vocab_size)
         segments, cache, known = [run.prompt], None, []
         if plan is not None:  # start from a copy of the cached prefix
@@ -247,6 +261,8 @@ class Engine:
                 plan.release()
             return run.completion("error", "", f"could not start the job: {_error_line(exc)}")
         run.plan = plan
+        if row is not None:  # [constraints]
+            self._constraints.track(uid, row)
         self._runs[uid] = run
         self._uids[run.job.key] = uid
         return None
@@ -281,6 +297,7 @@ class Engine:
         if not self._runs:
             return done
         try:
+            self._constraints.before_step(self._gen)  # [constraints]
             prompt_responses, responses = self._gen.next()
         except Exception as exc:
             return done + self._fail_batch(exc)
@@ -304,6 +321,10 @@ class Engine:
                 done.append(self._finish(r.uid, reason))
             elif run.job.request.stream:
                 self._stream_out(run)
+        for uid, why in self._constraints.failures().items():  # [constraints] that job only
+            if uid in self._runs:
+                self._gen.remove([uid])
+                done.append(self._finish(uid, "error", why))
         return done
 
     def _stream_out(self, run: RunningJob) -> None:
@@ -338,6 +359,7 @@ class Engine:
     def _finish(self, uid: int, reason: FinishReason, error: str | None = None) -> Completion:
         run = self._runs.pop(uid)
         del self._uids[run.job.key]
+        self._constraints.drop(uid)  # [constraints]
         if run.plan is not None:
             run.plan.release()  # a prefix it did not get to store
         # Like mlx_lm.batch_generate: decode the ids (keeps a leading space, unlike the
@@ -368,6 +390,7 @@ class Engine:
         for uid in sorted(waiting & self._runs.keys()):
             run = self._runs.pop(uid)
             del self._uids[run.job.key]
+            self._constraints.drop(uid)  # [constraints]
             if self._prefix is None:
                 if (done := self._insert(run)) is not None:
                     failed.append(done)

@@ -26,6 +26,7 @@ from typing import Any, BinaryIO
 
 import msgspec
 
+from mlxq.formats.constraints import constraint_problem
 from mlxq.formats.input_errors import (
     InvalidLine,
     LineError,
@@ -270,6 +271,8 @@ def _parse_line(raw: bytes | str, line: int) -> tuple[Request, bool]:
         failure = e
     if failure is not None:
         req = _request_from_json(raw, line, failure)
+    if req.response_format is not None and (problem := constraint_problem(req.response_format)):
+        raise InvalidLine(line, problem)  # (OpenAI lines were checked already: cached)
     if req.custom_id is None:
         req.custom_id = f"line-{line}"
         return req, True
