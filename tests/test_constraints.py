@@ -15,7 +15,13 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from mlxq.engine.constraints import apply_masks, make_lltokenizer, unpack_masks
+from mlxq.engine.constraints import (
+    ConstraintBatch,
+    Grammars,
+    apply_masks,
+    make_lltokenizer,
+    unpack_masks,
+)
 from mlxq.engine.mlx_lm_batch import Completion, Engine, EngineJob
 from mlxq.formats.constraints import constraint_problem, grammar_of
 from mlxq.formats.inputs import parse_lines
@@ -307,3 +313,64 @@ def test_masks_unpack_to_the_allowed_tokens():
         out = np.array(apply_masks(logits, mx.array(masks)))
         assert (np.isneginf(out) == ~want).all()
         assert (out[want] == np.array(logits)[want]).all()
+
+
+def test_batch_hook_masks_only_its_rows_and_follows_their_tokens(tiny):
+    """The engine-agnostic hook: ``process`` masks the tracked rows, ``accept`` steps them."""
+    model, tokenizer = tiny
+    vocab = model.args.vocab_size
+    batch = ConstraintBatch(Grammars(tokenizer, vocab))
+    batch.track("a", batch.grammars.job(RegexFormat("[a-z]{2}")))
+    batch.track("c", batch.grammars.job(RegexFormat("[0-9]+")))
+    logits = mx.array(np.random.default_rng(1).normal(size=(3, vocab)).astype(np.float32))
+    out = np.array(batch.process(logits, ["a", "b", "c"]))
+    assert (out[1] == np.array(logits)[1]).all()  # "b" is free: untouched
+    allowed_a = [t for t in range(vocab) if not np.isneginf(out[0, t])]
+    assert allowed_a and all(re.fullmatch("[a-z]{1,2}", tokenizer.decode([t])) for t in allowed_a)
+    digits = [t for t in range(vocab) if not np.isneginf(out[2, t])]
+    assert digits and all(tokenizer.decode([t]).isdigit() for t in digits)
+
+    a_token = next(t for t in allowed_a if tokenizer.decode([t]) == "x")
+    batch.accept(["a", "b", "c"], [a_token, 0, digits[0]])
+    out = np.array(batch.process(logits[:2], ["c", "a"]))
+    after_a = [tokenizer.decode([t]) for t in range(vocab) if not np.isneginf(out[1, t])]
+    assert after_a and all(re.fullmatch("[a-z]", s) for s in after_a)
+    assert set(tokenizer.eos_token_ids) & {t for t in range(vocab) if not np.isneginf(out[0, t])}
+    assert not batch.failures
+    batch.drop("a")
+    assert "a" not in batch.jobs
+
+
+def test_run_writes_constrained_results(tiny_model, tmp_path):
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "JSON?"}],
+        "max_tokens": 40,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+    }
+    lines = [
+        {"custom_id": "o", "method": "POST", "url": "/v1/chat/completions", "body": body},
+        {
+            "custom_id": "r",
+            "prompt": "id:",
+            "max_tokens": 40,
+            "response_format": {"type": "regex", "pattern": REGEX},
+        },
+        {"custom_id": "f", "prompt": "free", "max_tokens": 8},
+    ]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    env = {k: v for k, v in os.environ.items() if k != "MLXQ_REDIS_URL"}
+    run = run_mlxq("run", str(src), "--model", tiny_model, "-o", str(out), env=env)
+    assert run.returncode == 0, run.stderr
+    results = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert results["o"]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(results["o"]["text"]), schema)
+    assert results["r"]["finish_reason"] == "stop" and re.fullmatch(REGEX, results["r"]["text"])
+    assert results["f"]["error"] is None

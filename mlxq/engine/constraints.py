@@ -30,7 +30,6 @@ from mlxq.formats.constraints import ConstraintError, constraint_key, grammar_of
 from mlxq.wire import ResponseFormat
 
 _CACHE_SIZE = 256
-_BITS = mx.arange(32, dtype=mx.int32)
 
 
 def make_lltokenizer(tokenizer: Any, vocab_size: int) -> llguidance.LLTokenizer:
@@ -170,14 +169,16 @@ class ConstraintBatch:
 
     def process(self, logits: mx.array, slots: Sequence[Hashable]) -> mx.array:
         """``logits`` (one row per slot) with the masks of the tracked slots applied."""
+        if logits.shape[0] != len(slots):
+            raise ValueError(f"{logits.shape[0]} rows of logits for {len(slots)} slots")
         rows = [i for i, s in enumerate(slots) if s in self.jobs]
         if not rows:
             return logits
-        masks = mx.array(self.masks([slots[i] for i in rows]))
+        masks = DeviceMasks(self.masks([slots[i] for i in rows]), logits.shape[-1])
         if len(rows) == len(slots):
-            return apply_masks(logits, masks)
+            return masks.apply(logits)
         index = mx.array(rows)
-        return _put_rows(logits, index, apply_masks(logits[index], masks))
+        return _put_rows(logits, index, masks.apply(logits[index]))
 
 
 def _put_rows(x: mx.array, index: mx.array, rows: mx.array) -> mx.array:
@@ -186,10 +187,31 @@ def _put_rows(x: mx.array, index: mx.array, rows: mx.array) -> mx.array:
     return out
 
 
+class DeviceMasks:
+    """Bitmasks (rows, words) on the device, ready to apply row by row or all at once."""
+
+    def __init__(self, masks: np.ndarray, vocab: int) -> None:
+        self.words = mx.array(masks)
+        # Off Metal, unpack once for all rows: each row is then a slice and a `where`.
+        self.allowed = None if _use_kernel() else unpack_masks(self.words, vocab)
+
+    def apply(self, logits: mx.array, row: int | None = None) -> mx.array:
+        """``logits`` (one row, or all rows) with the forbidden tokens at -inf."""
+        if self.allowed is None:
+            return apply_masks(logits, self.words if row is None else self.words[row : row + 1])
+        allowed = self.allowed if row is None else self.allowed[row : row + 1]
+        return mx.where(allowed, logits, -mx.inf)
+
+
+def _use_kernel() -> bool:
+    """llguidance's MLX kernel is a Metal kernel; CUDA and the CPU use plain ops."""
+    return mx.metal.is_available()
+
+
 def apply_masks(logits: mx.array, masks: mx.array) -> mx.array:
     """``logits`` (rows, vocab) with the tokens each row's bitmask (rows, words) forbids set
     to -inf; bits past the mask's width forbid."""
-    if mx.metal.is_available():
+    if _use_kernel():
         from llguidance.mlx import apply_token_bitmask_kernel
 
         return apply_token_bitmask_kernel(logits, masks)
@@ -199,7 +221,9 @@ def apply_masks(logits: mx.array, masks: mx.array) -> mx.array:
 def unpack_masks(masks: mx.array, vocab: int) -> mx.array:
     """Bitmasks (rows, words) as booleans (rows, ``vocab``), with plain MLX ops."""
     rows, words = masks.shape
-    bits = ((masks[:, :, None] >> _BITS) & 1).reshape(rows, words * 32).astype(mx.bool_)
+    # (Arrays are made here, not at import: MLX streams belong to the thread that runs it.)
+    shifts = mx.arange(32, dtype=mx.int32)
+    bits = ((masks[:, :, None] >> shifts) & 1).reshape(rows, words * 32).astype(mx.bool_)
     if words * 32 >= vocab:
         return bits[:, :vocab]
     return mx.concatenate([bits, mx.zeros((rows, vocab - words * 32), dtype=mx.bool_)], axis=1)

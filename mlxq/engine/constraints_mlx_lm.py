@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
-from mlxq.engine.constraints import ConstraintBatch, Grammars, JobConstraint, apply_masks
+from mlxq.engine.constraints import ConstraintBatch, DeviceMasks, Grammars, JobConstraint
 from mlxq.wire import ResponseFormat
 
 
@@ -30,7 +30,7 @@ class RowProcessor:
         self.uid: int | None = None  # set once the generator has given the row its uid
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        return apply_masks(logits, self.owner.row_mask(self, tokens, logits))
+        return self.owner.masked(self, tokens, logits)
 
 
 class BatchGeneratorConstraints:
@@ -40,7 +40,7 @@ class BatchGeneratorConstraints:
         self.batch = ConstraintBatch(Grammars(tokenizer, vocab_size))
         self._pending: tuple[list[int], mx.array] | None = None
         self._rows: dict[int, int] = {}  # uid -> row of _masks, this step
-        self._masks: mx.array | None = None
+        self._masks: DeviceMasks | None = None
 
     def job(self, fmt: ResponseFormat | None) -> JobConstraint | None:
         """A job's constraint (None for free text); raises ``ConstraintError``."""
@@ -72,18 +72,17 @@ class BatchGeneratorConstraints:
         if uids and tokens is not None and any(u in self.batch.jobs for u in uids):
             self._pending = (list(uids), tokens)
 
-    def row_mask(self, row: RowProcessor, tokens: mx.array, logits: mx.array) -> mx.array:
-        """The (1, words) mask of ``row`` for this step."""
-        uid, job = row.uid, row.job
+    def masked(self, row: RowProcessor, tokens: mx.array, logits: mx.array) -> mx.array:
+        """The (1, vocab) ``logits`` of ``row`` with its mask for this step applied."""
+        uid, job, vocab = row.uid, row.job, logits.shape[-1]
         if not job.started:  # its first mask: no token to take yet
-            return mx.array(self.batch.masks([uid]))
+            return DeviceMasks(self.batch.masks([uid]), vocab).apply(logits)
         if self._pending is not None:
             self._fill_all(logits)
         if uid in self._rows and self._masks is not None:
-            i = self._rows[uid]
-            return self._masks[i : i + 1]
+            return self._masks.apply(logits, self._rows[uid])
         self.batch.accept([uid], [tokens[-1].item()])  # not noted: its own token
-        return mx.array(self.batch.masks([uid]))
+        return DeviceMasks(self.batch.masks([uid]), vocab).apply(logits)
 
     def _fill_all(self, logits: mx.array) -> None:
         """Advance every noted constrained row by its token and fill all their masks."""
@@ -98,5 +97,5 @@ class BatchGeneratorConstraints:
             return
         slots = [u for u, _ in rows]
         self.batch.accept(slots, [t for _, t in rows])
-        self._masks = mx.array(self.batch.masks(slots))
+        self._masks = DeviceMasks(self.batch.masks(slots), logits.shape[-1])
         self._rows = {u: i for i, u in enumerate(slots)}
