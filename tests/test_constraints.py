@@ -17,6 +17,7 @@ from mlx_lm.generate import generate_step
 
 from mlxq.engine.constraints import (
     ConstraintBatch,
+    ConstraintHook,
     Grammars,
     apply_masks,
     make_lltokenizer,
@@ -374,3 +375,27 @@ def test_run_writes_constrained_results(tiny_model, tmp_path):
     jsonschema.validate(json.loads(results["o"]["text"]), schema)
     assert results["r"]["finish_reason"] == "stop" and re.fullmatch(REGEX, results["r"]["text"])
     assert results["f"]["error"] is None
+
+
+def test_hook_protocol_for_engines_that_process_the_whole_batch(tiny):
+    """``ConstraintHook`` driven as an engine drives a batch logits hook, greedy to the end."""
+    model, tokenizer = tiny
+    vocab = model.args.vocab_size
+    hook = ConstraintHook(tokenizer, vocab)
+    assert hook.check(Request(prompt="x", response_format=RegexFormat("(x"))) is not None
+    assert hook.check(Request(prompt="x", response_format=RegexFormat(REGEX))) is None
+    hook.admit("j", Request(prompt="x", response_format=RegexFormat(REGEX)))
+    hook.admit("free", Request(prompt="x"))
+    assert hook.active
+    rng, text = np.random.default_rng(2), []
+    for _ in range(40):
+        logits = mx.array(rng.normal(size=(2, vocab)).astype(np.float32))
+        tokens = mx.argmax(hook.process(logits, ["free", "j"]), axis=-1).tolist()
+        assert tokens[0] == int(np.argmax(np.array(logits)[0]))  # the free row: untouched
+        hook.accept(["free", "j"], tokens)
+        if tokens[1] in tokenizer.eos_token_ids:
+            break
+        text.append(tokens[1])
+    assert re.fullmatch(REGEX, tokenizer.decode(text)) and not hook.failures()
+    hook.release("j")
+    assert not hook.active

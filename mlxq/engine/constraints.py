@@ -227,3 +227,53 @@ def unpack_masks(masks: mx.array, vocab: int) -> mx.array:
     if words * 32 >= vocab:
         return bits[:, :vocab]
     return mx.concatenate([bits, mx.zeros((rows, vocab - words * 32), dtype=mx.bool_)], axis=1)
+
+
+class ConstraintHook:
+    """Structured outputs as a batch logits hook keyed by job (the slot engine's
+    ``BatchLogitsHook``: ``admit``, ``process``, ``accept``, ``release``).
+
+    Call :meth:`check` when a job is added, to fail a bad constraint alone before it
+    decodes; :attr:`active` says whether any decoding job is constrained (an engine can
+    skip the hook, and keep its pipelining, when none is); :meth:`failures` lists jobs
+    whose matcher failed while decoding, for the engine to fail.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.batch = ConstraintBatch(Grammars(tokenizer, vocab_size))
+        self._eos = set(tokenizer.eos_token_ids)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.batch.jobs)
+
+    def check(self, request: Any) -> str | None:
+        """Why this request's ``response_format`` cannot run here, or None (compiles it)."""
+        try:
+            self.batch.grammars.job(request.response_format)
+        except ConstraintError as e:
+            return str(e)
+        return None
+
+    def admit(self, key: str, request: Any) -> None:
+        try:
+            job = self.batch.grammars.job(request.response_format)
+        except ConstraintError as e:
+            self.batch.failures[key] = str(e)
+            return
+        if job is not None:
+            self.batch.track(key, job)
+
+    def process(self, logits: mx.array, rows: list[str]) -> mx.array:
+        return self.batch.process(logits, rows)
+
+    def accept(self, rows: list[str], tokens: list[int]) -> None:
+        live = [(r, t) for r, t in zip(rows, tokens, strict=True) if t not in self._eos]
+        self.batch.accept([r for r, _ in live], [t for _, t in live])  # (EOS: it ends)
+
+    def release(self, key: str) -> None:
+        self.batch.drop(key)
+
+    def failures(self) -> dict[str, str]:
+        """Jobs whose constraint failed (key -> why); they stay listed until released."""
+        return dict(self.batch.failures)  # type: ignore[arg-type]
