@@ -96,7 +96,14 @@ class Grammars:
             grammar = grammar_of(fmt)
         except ConstraintError as e:
             return str(e)
-        matcher = llguidance.LLMatcher(self.lltokenizer, grammar or "", log_level=0)
+        try:
+            lltok = self.lltokenizer
+        except Exception as e:  # e.g. a slow (non-"fast") Hugging Face tokenizer
+            return (
+                "response_format: this model's tokenizer cannot be used for constrained "
+                f"decoding ({type(e).__name__}: {e}); send the job without response_format"
+            )
+        matcher = llguidance.LLMatcher(lltok, grammar or "", log_level=0)
         if matcher.is_error():
             return f"response_format: cannot be enforced for this model: {matcher.get_error()}"
         return matcher
@@ -169,22 +176,21 @@ class ConstraintBatch:
 
     def process(self, logits: mx.array, slots: Sequence[Hashable]) -> mx.array:
         """``logits`` (one row per slot) with the masks of the tracked slots applied."""
-        if logits.shape[0] != len(slots):
-            raise ValueError(f"{logits.shape[0]} rows of logits for {len(slots)} slots")
+        n, vocab = logits.shape
+        if n != len(slots) or vocab > self.grammars.vocab_size:
+            raise ValueError(
+                f"logits of shape {logits.shape} for {len(slots)} slots and masks "
+                f"{self.grammars.vocab_size} tokens wide"
+            )
         rows = [i for i, s in enumerate(slots) if s in self.jobs]
         if not rows:
             return logits
-        masks = DeviceMasks(self.masks([slots[i] for i in rows]), logits.shape[-1])
-        if len(rows) == len(slots):
-            return masks.apply(logits)
-        index = mx.array(rows)
-        return _put_rows(logits, index, masks.apply(logits[index]))
-
-
-def _put_rows(x: mx.array, index: mx.array, rows: mx.array) -> mx.array:
-    out = mx.array(x)
-    out[index] = rows
-    return out
+        masks = self.masks([slots[i] for i in rows])
+        if len(rows) < n:  # free rows get all-ones masks: their logits pass unchanged
+            full = np.full((n, masks.shape[1]), -1, dtype=np.int32)
+            full[rows] = masks
+            masks = full
+        return DeviceMasks(masks, vocab).apply(logits)
 
 
 class DeviceMasks:

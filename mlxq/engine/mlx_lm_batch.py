@@ -129,7 +129,7 @@ class Engine:
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
-            self.model,
+            self._constraints.wrap(self.model),  # [constraints]
             stop_tokens=[[t] for t in self._eos],
             sampler=greedy_sampler,
             completion_batch_size=self.max_batch,
@@ -299,6 +299,7 @@ class Engine:
         try:
             self._constraints.before_step(self._gen)  # [constraints]
             prompt_responses, responses = self._gen.next()
+            self._constraints.after_step()  # [constraints]
         except Exception as exc:
             return done + self._fail_batch(exc)
         if self._prefix is not None:
