@@ -399,3 +399,20 @@ def test_hook_protocol_for_engines_that_process_the_whole_batch(tiny):
     assert re.fullmatch(REGEX, tokenizer.decode(text)) and not hook.failures()
     hook.release("j")
     assert not hook.active
+
+
+def test_constrained_jobs_start_from_a_cached_prefix(tiny):
+    """With the prefix cache, constrained greedy output is still the single-request one."""
+    engine = Engine.from_loaded(*tiny, "tiny", max_batch=8, prefix_cache_bytes=1 << 24)
+    shared = "You label reviews. Answer with JSON only. " * 4
+    jobs = {
+        f"r{i}": Request(prompt=shared + f"Review {i}:", max_tokens=120, response_format=SCHEMA)
+        for i in range(4)
+    }
+    done = run_jobs(engine, jobs)
+    done |= run_jobs(engine, {"again": jobs["r0"]})
+    assert engine.stats().prefix_hits > 0
+    for key, request in [*jobs.items(), ("again", jobs["r0"])]:
+        assert done[key].finish_reason == "stop"
+        want = constrained_reference(tiny, engine.encode(request), request)
+        assert done[key].token_ids == want, key
