@@ -476,7 +476,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="off",
         choices=("off", "on", "both"),
         help="prefix workload, mlxq mode: run with the engine's prefix cache off, on "
-        f"({PREFIX_CACHE_SHARE:.0%} of the KV budget), or both, with the prompt tok/s ratio",
+        f"({PREFIX_CACHE_SHARE:.0%}% of the KV budget), or both, with the prompt tok/s ratio",
     )
     ap.add_argument(
         "--prefill-batch",

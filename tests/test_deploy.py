@@ -148,7 +148,7 @@ def interpolate(value: str, env: dict[str, str]) -> str:
 
 def test_compose_services_and_volume(compose):
     services = compose["services"]
-    assert set(services) == {"redis", "rq-dashboard"}
+    assert set(services) == {"redis", "rq-dashboard", "prometheus", "grafana"}
     redis_svc = services["redis"]
     assert re.fullmatch(r"redis:7(\.\d+)*(-\w+)?", redis_svc["image"])
     assert redis_svc["volumes"] == ["redis-data:/data"]

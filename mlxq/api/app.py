@@ -23,14 +23,6 @@ from typing import Any
 
 import msgspec
 import redis
-from starlette.applications import Starlette
-from starlette.background import BackgroundTask
-from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from mlxq.api import batches, store
 from mlxq.api.auth import AuthMiddleware, KeyChecker
@@ -39,6 +31,17 @@ from mlxq.api.models import list_models
 from mlxq.api.objects import FINAL_STATUSES, BatchState, encoder
 from mlxq.api.uploads import DEFAULT_MAX_LINES, DEFAULT_MAX_UPLOAD_BYTES, read_upload
 from mlxq.broker import batches as q
+from mlxq.errors import needs_extra
+
+with needs_extra("api", "mlxq api"):
+    from starlette.applications import Starlette
+    from starlette.background import BackgroundTask
+    from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
 
 log = logging.getLogger("mlxq.api")
 

@@ -16,7 +16,8 @@ import redis
 from mlxq.api.auth import ENV_API_KEYS, load_keys
 from mlxq.broker import batches as q
 from mlxq.broker import keys
-from mlxq.cli.support import redis_option
+from mlxq.cli.support import check_port_free, redis_option
+from mlxq.errors import needs_extra
 
 
 def is_loopback(host: str) -> bool:
@@ -98,13 +99,11 @@ def api_command(
     Requests run on mlxq workers: the queue is the last part of the lines' `model`.
     """
     api_keys = resolve_keys(keys_file, no_auth, host)
-    try:
+    with needs_extra("api", "mlxq api"):
         import uvicorn
+    from mlxq.api.app import ApiSettings, create_app
 
-        from mlxq.api.app import ApiSettings, create_app
-    except ImportError as e:
-        click.echo(f"mlxq: error: {e}; install the API extra: pip install 'mlxq[api]'", err=True)
-        sys.exit(1)
+    check_port_free(host, port, "--port")
     logging.basicConfig(
         level=getattr(logging, log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -12,10 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.datastructures import UploadFile
-from starlette.requests import Request
-
 from mlxq.api.errors import ApiError, bad_request
+from mlxq.errors import needs_extra
+
+with needs_extra("api", "mlxq api"):
+    import python_multipart  # noqa: F401  (Starlette needs it for uploads, imported late)
+    from starlette.datastructures import UploadFile
+    from starlette.requests import Request
 
 DEFAULT_MAX_UPLOAD_BYTES = 200 * 1024 * 1024
 DEFAULT_MAX_LINES = 50_000

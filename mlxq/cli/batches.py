@@ -17,22 +17,27 @@ from mlxq.broker import batches as q
 from mlxq.broker import fleet, keys
 from mlxq.cli.fleet import print_queue_overview
 from mlxq.cli.support import connect, fail, redis_option
+from mlxq.cli.tables import emit_table, input_options
 from mlxq.formats.openai_output import ENDPOINTS, is_error, to_openai_line
+from mlxq.formats.table_output import TABLE_FORMATS
+from mlxq.formats.tables import InputOptions
 from mlxq.wire import BatchStatus, Result, json_encoder
 
 
 # -- submit ------------------------------------------------------------------------------
-def read_file(path: str, skip_invalid: bool):  # -> ParsedInput
-    from mlxq.formats.inputs import InputFileError, read_requests
+def read_file(path: str, skip_invalid: bool, inputs: InputOptions | None = None):  # -> ParsedInput
+    from mlxq.formats.inputs import InputFileError
+    from mlxq.formats.tables import error_place, read_input
 
     try:
-        parsed = read_requests(path, skip_invalid=skip_invalid)
+        parsed = read_input(path, inputs or InputOptions(), skip_invalid=skip_invalid)
     except InputFileError as e:
-        fail(f"{e}\nnothing was enqueued; fix the lines above or pass --skip-invalid")
+        what = "rows" if inputs and inputs.is_table(path) else "lines"
+        fail(f"{e}\nnothing was enqueued; fix the {what} above or pass --skip-invalid")
     except OSError as e:
         fail(f"cannot read {path}: {e.strerror or e}")
     for err in parsed.errors:
-        click.echo(f"skipped {path}:{err.line}: {err.message}", err=True)
+        click.echo(f"skipped {error_place(path, inputs, err.line)}: {err.message}", err=True)
     return parsed
 
 
@@ -79,6 +84,7 @@ def read_file(path: str, skip_invalid: bool):  # -> ParsedInput
     help="With --wait: write the results here (JSONL).",
 )
 @click.option("--timeout", type=float, help="With --wait: give up after this many seconds.")
+@input_options
 @redis_option
 def submit(
     file: str,
@@ -94,16 +100,19 @@ def submit(
     output: str | None,
     timeout: float | None,
     redis_url: str,
+    inputs: InputOptions,
 ) -> None:
-    """Enqueue every request of a JSONL FILE as one batch; prints the batch id last.
+    """Enqueue every request of a JSONL FILE, or every row of a table, as one batch; prints
+    the batch id last.
 
     Lines are mlxq requests ({"prompt"|"messages", "max_tokens", ...}) or OpenAI Batch API
-    lines ({"custom_id", "method", "url", "body"}). Any invalid line refuses the whole file
-    (nothing is enqueued) unless --skip-invalid.
+    lines ({"custom_id", "method", "url", "body"}). A CSV or Parquet FILE (or JSONL with
+    --template) is a table: each row's prompt is --template filled from its columns. Any
+    invalid line or row refuses the whole file (nothing is enqueued) unless --skip-invalid.
     """
     if output and not wait:
         fail("-o/--output needs --wait (or collect later with `mlxq results BATCH -o FILE`)")
-    parsed = read_file(file, skip_invalid)
+    parsed = read_file(file, skip_invalid, inputs)
     conn = connect(redis_url)
     queue_name = queue_name or keys.queue_name_for_model(model)
     with progress_bar(len(parsed.requests), "enqueueing") as bar:
@@ -258,11 +267,11 @@ def _same_or_open(path: str, output: str, out: TextIO) -> Iterator[TextIO]:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["mlxq", "openai"]),
+    type=click.Choice(["mlxq", "openai", *TABLE_FORMATS]),
     default="mlxq",
     show_default=True,
-    help="mlxq result lines, or OpenAI Batch output lines (failed requests go to an "
-    "errors file, as OpenAI's error_file).",
+    help="mlxq result lines, OpenAI Batch output lines (failed requests go to an "
+    "errors file, as OpenAI's error_file), or a CSV/Parquet table (one row per request).",
 )
 @click.option(
     "--endpoint",
@@ -276,6 +285,7 @@ def _same_or_open(path: str, output: str, out: TextIO) -> Iterator[TextIO]:
     type=click.Path(dir_okay=False, allow_dash=True),
     help="With --format openai: where error lines go [default: OUTPUT_errors.jsonl].",
 )
+@click.option("--with-input", is_flag=True, help="With csv/parquet: add the input row's columns.")
 @click.option("--wait", is_flag=True, help="Wait for the batch to finish, with a progress bar.")
 @click.option("--timeout", type=float, help="With --wait: give up after this many seconds.")
 @redis_option
@@ -285,15 +295,21 @@ def results(
     fmt: str,
     endpoint: str,
     errors: str | None,
+    with_input: bool,
     wait: bool,
     timeout: float | None,
     redis_url: str,
 ) -> None:
-    """Write a batch's results as JSONL, one line per request in input order."""
+    """Write a batch's results, one line (or table row) per request in input order."""
+    if with_input and fmt not in TABLE_FORMATS:
+        fail("--with-input applies to --format csv or parquet")
     conn = connect(redis_url)
     try:
         if wait:
             _wait_with_progress(conn, batch_id, timeout)
+        if fmt in TABLE_FORMATS:
+            emit_table(conn, batch_id, output, fmt, with_input)
+            return
         emit_results(conn, batch_id, output, OutputFormat(fmt, endpoint, errors))
     except q.BatchNotFound as e:
         fail(str(e))

@@ -8,6 +8,7 @@ import functools
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,12 @@ from mlxq.api import api_command
 from mlxq.broker import batches as q
 from mlxq.broker import keys
 from mlxq.cli.batches import BATCH_COMMANDS, emit_results, progress_bar, read_file
+from mlxq.cli.dashboard import dashboard
 from mlxq.cli.fleet import workers
-from mlxq.cli.support import connect, fail, redis_option
+from mlxq.cli.support import check_port_free, connect, fail, redis_option
+from mlxq.cli.tables import input_options
+from mlxq.errors import StartupError
+from mlxq.formats.tables import InputOptions
 from mlxq.wire import Result, json_encoder
 
 MODEL_COMMANDS = {"worker", "run", "make-model"}
@@ -175,6 +180,7 @@ def worker(
     show_envvar=True,
     help="Use this Redis instead of a private embedded Valkey.",
 )
+@input_options
 def run(
     file: str,
     profile: str | None,
@@ -184,21 +190,27 @@ def run(
     skip_invalid: bool,
     as_json: bool,
     redis_url: str | None,
+    inputs: InputOptions,
     **settings: Any,
 ) -> None:
-    """Run a JSONL FILE through a model on this machine and write the results.
+    """Run a JSONL FILE (or a CSV/Parquet table, see `mlxq submit`) through a model on this
+    machine and write the results.
 
     With no --redis-url (or MLXQ_REDIS_URL) it starts an embedded Valkey, submits the
     batch, serves it with an in-process worker, writes OUTPUT and stops the server.
     """
     from mlxq.server import embedded
-    from mlxq.worker.launch import run_worker
+    from mlxq.worker.launch import make_runner, run_worker
 
     # A progress bar shows the run; per-job log lines would drown it.
     log_level = "WARNING" if log_level.upper() == "INFO" else log_level
     _setup_logging(log_level, log_format)
     prof = _profile(profile, **settings)
-    parsed = read_file(file, skip_invalid)
+    parsed = read_file(file, skip_invalid, inputs)
+    # The model loads before the batch exists: a model that cannot load leaves nothing.
+    runner = make_runner(prof)
+    click.echo(f"loading {prof.model}", err=True)
+    runner.start()
     server = contextlib.nullcontext(redis_url) if redis_url else embedded()
     with server as url:
         conn = connect(url)
@@ -232,6 +244,7 @@ def run(
                 queues=[queue_name],
                 on_finish=on_finish,
                 log_level=log_level,
+                runner=runner,
             )
         s = q.batch_status(conn, batch_id)
         elapsed = time.monotonic() - start
@@ -282,6 +295,7 @@ def server(port: int, host: str, data_dir: Path, no_persist: bool, password: str
             f"refusing to listen on {host} without --password: anyone on the network "
             "could read and write your queues"
         )
+    check_port_free(host, port, "--port")
     srv = make_server(
         port=port, host=host, data_dir=data_dir, persist=not no_persist, password=password
     )
@@ -312,10 +326,12 @@ def server(port: int, host: str, data_dir: Path, no_persist: bool, password: str
 def make_model_cmd(dest: Path, preset: str, seed: int, as_json: bool) -> None:
     """Write a random-weight model that mlx_lm.load reads (offline tests and benchmarks)."""
     from mlxq.engine.make_model import PRESETS, make_model
+    from mlxq.engine.model_source import resolve_model
 
     if preset not in PRESETS:
         fail(f"unknown preset {preset!r}; choose one of {', '.join(sorted(PRESETS))}")
     path = make_model(dest, preset=preset, seed=seed)
+    resolve_model(str(path))  # what `mlxq run --model` will check: refuse a bad output now
     if as_json:
         click.echo(
             json_encoder.encode({"path": str(path), "preset": preset, "seed": seed}).decode()
@@ -324,9 +340,30 @@ def make_model_cmd(dest: Path, preset: str, seed: int, as_json: bool) -> None:
         click.echo(f"wrote a random-weight {preset} model to {path}")
 
 
-for command in (*BATCH_COMMANDS, workers):
+for command in (*BATCH_COMMANDS, workers, dashboard):
     cli.add_command(command)
 cli.add_command(api_command, name="api")
+
+
+def _debug_requested(argv: list[str]) -> bool:
+    """Whether the command line asks for ``--log-level debug`` (tracebacks included)."""
+    for i, arg in enumerate(argv):
+        value = arg.partition("=")[2] if arg.startswith("--log-level=") else None
+        if arg == "--log-level" and i + 1 < len(argv):
+            value = argv[i + 1]
+        if value is not None and value.upper() == "DEBUG":
+            return True
+    return False
+
+
+def _run_cli() -> None:
+    """Run the command; a start-up failure becomes one line on stderr and exit 1."""
+    try:
+        cli(standalone_mode=True)
+    except StartupError as e:
+        if _debug_requested(sys.argv):
+            traceback.print_exc()
+        fail(str(e), e.exit_code)
 
 
 def main() -> None:
@@ -337,7 +374,7 @@ def main() -> None:
 
         reexec_with_openblas()
     try:
-        cli(standalone_mode=True)
+        _run_cli()
     except SystemExit as e:
         if not runs_mlx:
             raise

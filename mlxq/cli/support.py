@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import socket
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -11,6 +13,7 @@ import redis
 
 from mlxq.broker import batches as q
 from mlxq.broker import keys
+from mlxq.errors import StartupError
 
 DEFAULT_LOCAL_URL = "redis://127.0.0.1:6379/0"
 
@@ -71,3 +74,20 @@ def connect(url: str) -> redis.Redis:
             f"with `mlxq server`, or set --redis-url / {keys.ENV_REDIS_URL}"
         )
     return conn
+
+
+def check_port_free(host: str, port: int, option: str) -> None:
+    """Refuse, in one line, a port another process already listens on (before serving)."""
+    if port == 0:
+        return  # the system picks a free one
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            cause = "in use" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
+            raise StartupError(
+                f"cannot listen on {host}:{port} ({cause}): stop what uses it, or pick "
+                f"another {option}"
+            ) from e

@@ -21,6 +21,7 @@ from mlxq.engine.hardware import DeviceFacts, device_facts
 from mlxq.engine.mlx_lm_batch import Completion, Engine, EngineJob
 from mlxq.engine.sampling import StreamChunk
 from mlxq.engine.scheduler import Scheduler, admission_order
+from mlxq.errors import StartupError, one_line
 from mlxq.wire import ModelInfo
 
 log = logging.getLogger("mlxq.engine.runner")
@@ -71,8 +72,13 @@ class Runner:
         """Start the thread, load the model on it, and return the model's facts."""
         self._thread.start()
         self._ready.wait()
+        if isinstance(self._error, StartupError):
+            raise self._error
         if self._error is not None:
-            raise RuntimeError(f"could not start the engine: {self._error}") from self._error
+            raise StartupError(
+                f"could not start the engine: {one_line(self._error)} (run with --log-level "
+                "debug for the traceback)"
+            ) from self._error
         assert self.engine is not None
         return self.engine.info
 

@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 import msgspec
 
 from mlxq.formats.constraints import constraint_problem
+from mlxq.formats.defaults import RequestDefaults, given_fields
 from mlxq.formats.input_errors import (
     InvalidLine,
     LineError,
@@ -88,13 +89,17 @@ class InputFileError(ValueError):
         super().__init__(self.report())
 
     def report(self, max_listed: int = MAX_REPORTED_ERRORS) -> str:
-        out = [f"{self.path}:{e.line}: {e.message}" for e in self.errors[:max_listed]]
+        out = [f"{self.place(e.line)}: {e.message}" for e in self.errors[:max_listed]]
         if len(self.errors) > max_listed:
             more = len(self.errors) - max_listed
             out.append(f"... and {more} more invalid line{'s' if more != 1 else ''}")
         if self.summary:
             out.append(self.summary)
         return "\n".join(out)
+
+    def place(self, line: int) -> str:
+        """Where an error is, as the report names it (``FILE:LINE``)."""
+        return f"{self.path}:{line}"
 
     def __str__(self) -> str:
         return self.report()
@@ -109,6 +114,7 @@ def read_requests(
     *,
     skip_invalid: bool = False,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    defaults: RequestDefaults | None = None,
 ) -> ParsedInput:
     """Read and check every request of a JSONL file (``"-"`` reads stdin).
 
@@ -118,26 +124,39 @@ def read_requests(
     them; with ``skip_invalid=True`` the valid requests are returned and the bad lines are
     in ``errors``. A file with no valid request at all always raises. ``path`` may also
     be an open binary file (or a text one, whose limit then counts characters).
+    ``defaults`` fill in the fields a line leaves out (see :mod:`mlxq.formats.defaults`).
     """
     if isinstance(path, str) and path == "-":
-        return _read_stream(sys.stdin.buffer, "<stdin>", skip_invalid, max_line_bytes)
+        return _read_stream(sys.stdin.buffer, "<stdin>", skip_invalid, max_line_bytes, defaults)
     if isinstance(path, str | PathLike):
         name = str(path)
         with Path(path).open("rb") as f:
-            return _read_stream(f, name, skip_invalid, max_line_bytes)
+            return _read_stream(f, name, skip_invalid, max_line_bytes, defaults)
     name = getattr(path, "name", None)
-    return _read_stream(
-        path, name if isinstance(name, str) else "<input>", skip_invalid, max_line_bytes
-    )
+    name = name if isinstance(name, str) else "<input>"
+    return _read_stream(path, name, skip_invalid, max_line_bytes, defaults)
 
 
-def _read_stream(f: Any, name: str, skip_invalid: bool, max_line_bytes: int) -> ParsedInput:
-    parsed = parse_lines(_iter_lines(f, max_line_bytes))
+def _read_stream(
+    f: Any, name: str, skip_invalid: bool, max_line_bytes: int, defaults: RequestDefaults | None
+) -> ParsedInput:
+    parsed = parse_lines(_iter_lines(f, max_line_bytes), defaults=defaults)
+    return checked(parsed, name, skip_invalid)
+
+
+def checked(
+    parsed: ParsedInput,
+    name: str,
+    skip_invalid: bool,
+    error: type[InputFileError] = InputFileError,
+    what: str = "requests",
+) -> ParsedInput:
+    """``parsed``, or ``error`` if it has bad lines (unless skipped) or no requests at all."""
     if parsed.errors and not skip_invalid:
-        raise InputFileError(name, parsed.errors)
+        raise error(name, parsed.errors)
     if not parsed.requests:
-        summary = f"no valid requests in {name}" if parsed.errors else f"no requests in {name}"
-        raise InputFileError(name, parsed.errors, summary)
+        summary = f"no valid {what} in {name}" if parsed.errors else f"no {what} in {name}"
+        raise error(name, parsed.errors, summary)
     return parsed
 
 
@@ -194,7 +213,12 @@ def _skip_rest(f: Any, chunk: bytes | str) -> int:
     return total - (len(tail) - _content_len(tail))
 
 
-def parse_lines(lines: Iterable[bytes | str], *, max_line_bytes: int | None = None) -> ParsedInput:
+def parse_lines(
+    lines: Iterable[bytes | str],
+    *,
+    max_line_bytes: int | None = None,
+    defaults: RequestDefaults | None = None,
+) -> ParsedInput:
     """Parse lines (1-based numbering) into requests, collecting errors instead of raising.
 
     Blank lines are skipped; a UTF-8 byte-order mark on the first line is dropped. A
@@ -215,7 +239,7 @@ def parse_lines(lines: Iterable[bytes | str], *, max_line_bytes: int | None = No
             out.errors.append(LineError(n, _Oversized(_content_len(raw), max_line_bytes).message()))
             continue
         try:
-            req, assigned = _parse_line(raw, n)
+            req, assigned = _parse_line(raw, n, defaults)
         except InvalidLine as e:
             out.errors.append(e.error)
             continue
@@ -258,7 +282,9 @@ def parse_line(raw: bytes | str, line: int) -> Request:
     return _parse_line(raw, line)[0]
 
 
-def _parse_line(raw: bytes | str, line: int) -> tuple[Request, bool]:
+def _parse_line(
+    raw: bytes | str, line: int, defaults: RequestDefaults | None = None
+) -> tuple[Request, bool]:
     """The Request of a line, and whether its custom_id is the default one given here."""
     raw = _utf8(raw, line)
     if not raw or raw.isspace():
@@ -271,6 +297,8 @@ def _parse_line(raw: bytes | str, line: int) -> tuple[Request, bool]:
         failure = e
     if failure is not None:
         req = _request_from_json(raw, line, failure)
+    if defaults:
+        req = defaults.apply(req, given_fields(raw), line)
     if req.response_format is not None and (problem := constraint_problem(req.response_format)):
         raise InvalidLine(line, problem)  # (OpenAI lines were checked already: cached)
     if req.custom_id is None:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import mlx_lm
 import redis
 
 from mlxq.broker import keys
 from mlxq.engine.hardware import DeviceFacts
 from mlxq.engine.mlx_lm_batch import Engine
 from mlxq.engine.model_facts import model_info
+from mlxq.engine.model_source import check_adapter, load_model, resolve_model
 from mlxq.engine.runner import Runner
 from mlxq.engine.scheduler import (
     DEFAULT_PREFILL_BATCH,
@@ -23,10 +23,14 @@ from mlxq.engine.scheduler import (
     memory_budget,
     split_budget,
 )
+from mlxq.errors import StartupError, one_line
 from mlxq.wire import Result
 from mlxq.worker.profile import WorkerProfile
 from mlxq.worker.reporting import Reporter
 from mlxq.worker.rq_worker import MlxqWorker
+
+if TYPE_CHECKING:  # the metrics extra is imported only when --metrics-port asks for it
+    from mlxq.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("mlxq.worker")
 
@@ -40,13 +44,20 @@ def worker_queues(profile: WorkerProfile) -> list[str]:
 
 
 def make_runner(profile: WorkerProfile) -> Runner:
-    """A Runner whose thread loads ``profile.model`` and sizes its scheduler from memory."""
+    """A Runner whose thread loads ``profile.model`` and sizes its scheduler from memory.
+
+    The model is found (and a hub id downloaded) and checked here, on the calling thread,
+    so that a model that cannot load fails in one line before anything is served.
+    """
     if not profile.model:
         raise ValueError("no model: pass --model (a local folder or a hub id) or a --profile")
     model = profile.model
+    path = resolve_model(model)
+    if profile.adapter_path is not None:
+        check_adapter(profile.adapter_path)
 
     def make_engine(facts: DeviceFacts) -> Engine:
-        loaded, tokenizer = mlx_lm.load(model, adapter_path=profile.adapter_path)
+        loaded, tokenizer = load_model(model, path, profile.adapter_path)
         _, prefix_bytes = _budgets(facts, model_info(loaded, model).param_bytes, profile)
         return engine_for(loaded, tokenizer, model, profile, prefix_bytes)
 
@@ -130,10 +141,17 @@ def run_worker(
     queues: list[str] | None = None,
     on_finish: Callable[[Result], None] | None = None,
     log_level: str = "INFO",
+    runner: Runner | None = None,
 ) -> MlxqWorker:
-    """Load the model, then serve ``queues`` until stopped (or empty, with ``burst``)."""
-    runner = make_runner(profile)
-    runner.start()
+    """Load the model, then serve ``queues`` until stopped (or empty, with ``burst``).
+
+    ``runner`` is an already started :func:`make_runner` (``mlxq run`` loads the model
+    before it submits anything); without one, the model is loaded here.
+    """
+    metrics = _serve_metrics(profile)
+    if runner is None:
+        runner = make_runner(profile)
+        runner.start()
     worker = MlxqWorker(
         queues or worker_queues(profile),
         connection=conn,
@@ -144,7 +162,7 @@ def run_worker(
         grace_period=profile.grace_period,
     )
     worker.on_finish = on_finish
-    worker.reporter = _reporter(worker, profile, runner)
+    worker.reporter = _reporter(worker, profile, runner, metrics)
     try:
         worker.work(burst=burst, logging_level=log_level)
     finally:
@@ -152,14 +170,28 @@ def run_worker(
     return worker
 
 
-def _reporter(worker: MlxqWorker, profile: WorkerProfile, runner: Runner) -> Reporter:
-    metrics = None
-    if profile.metrics_port is not None:
-        from mlxq.worker.metrics import WorkerMetrics
+def _serve_metrics(profile: WorkerProfile) -> WorkerMetrics | None:
+    """Prometheus metrics on ``profile.metrics_port``, if asked for (before the model
+    loads, so a missing extra or a busy port fails at once)."""
+    if profile.metrics_port is None:
+        return None
+    from mlxq.worker.metrics import WorkerMetrics
 
-        metrics = WorkerMetrics()
+    metrics = WorkerMetrics()
+    try:
         metrics.serve(profile.metrics_port)
-        log.info("metrics on http://0.0.0.0:%d/metrics", metrics.port)
+    except OSError as e:
+        raise StartupError(
+            f"cannot serve metrics on port {profile.metrics_port} ({one_line(e)}): pick "
+            "a free --metrics-port (or metrics_port in the profile)"
+        ) from e
+    log.info("metrics on http://0.0.0.0:%d/metrics", metrics.port)
+    return metrics
+
+
+def _reporter(
+    worker: MlxqWorker, profile: WorkerProfile, runner: Runner, metrics: WorkerMetrics | None
+) -> Reporter:
     assert runner.facts is not None
     return Reporter(
         worker.name,

@@ -12,10 +12,12 @@ import re
 import threading
 from typing import Any, get_args
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
-from prometheus_client.exposition import start_http_server
-
+from mlxq.errors import needs_extra
 from mlxq.wire import FinishReason, Result
+
+with needs_extra("metrics", "--metrics-port (Prometheus metrics)"):
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+    from prometheus_client.exposition import start_http_server
 
 # Seconds from start of work to the first token: prefill of a batch of prompts.
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

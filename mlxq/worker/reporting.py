@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -13,7 +14,9 @@ from mlxq.broker import fleet
 from mlxq.engine.hardware import DeviceFacts
 from mlxq.engine.scheduler import Scheduler
 from mlxq.wire import Result, WorkerInfo
-from mlxq.worker.metrics import WorkerMetrics
+
+if TYPE_CHECKING:  # the metrics extra is imported only where --metrics-port asks for it
+    from mlxq.worker.metrics import WorkerMetrics
 
 
 class Reporter:

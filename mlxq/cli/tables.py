@@ -1,0 +1,136 @@
+"""Table options of ``mlxq submit``/``mlxq run`` (template, id column, request defaults) and
+the CSV/Parquet writer behind ``mlxq results --format csv|parquet``."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+import redis
+
+from mlxq.broker import batches as q
+from mlxq.cli.support import fail
+from mlxq.formats.defaults import DEFAULTABLE, RequestDefaults
+from mlxq.formats.tables import InputOptions
+from mlxq.wire import MAX_LOGPROBS, MAX_TOKENS_LIMIT
+
+_DEFAULT_OPTIONS = [
+    click.option(
+        "--max-tokens",
+        type=click.IntRange(1, MAX_TOKENS_LIMIT),
+        help="Most tokens to generate, for requests that do not set it.",
+    ),
+    click.option(
+        "--temperature",
+        type=click.FloatRange(0, 10),
+        help="Sampling temperature (0: greedy), for requests that do not set it.",
+    ),
+    click.option(
+        "--top-p",
+        type=click.FloatRange(0, 1),
+        help="Nucleus sampling, for requests that do not set it.",
+    ),
+    click.option(
+        "--top-k", type=click.IntRange(0), help="Top-k sampling, for requests that do not set it."
+    ),
+    click.option(
+        "--min-p",
+        type=click.FloatRange(0, 1),
+        help="Min-p sampling, for requests that do not set it.",
+    ),
+    click.option(
+        "--repetition-penalty",
+        type=click.FloatRange(0, 10, min_open=True),
+        help="Repetition penalty, for requests that do not set it.",
+    ),
+    click.option(
+        "--seed",
+        type=click.IntRange(0, 2**32 - 1),
+        help="Sampling seed, for requests that do not set it.",
+    ),
+    click.option(
+        "--stop", multiple=True, help="Stop string (repeatable), for requests that set no `stop`."
+    ),
+    click.option(
+        "--logprobs",
+        type=click.IntRange(0, MAX_LOGPROBS),
+        help="Top-n logprobs per token, for requests that do not set it.",
+    ),
+]
+
+
+def input_options(f: Callable) -> Callable:
+    """Add the table and request-default options; the command gets ``inputs: InputOptions``."""
+    options = [
+        click.option(
+            "--template",
+            help="Prompt template filled from each row's columns, e.g. 'Q: {question}' "
+            "(reads a JSONL file as a table of rows) [default: the 'prompt' column].",
+        ),
+        click.option("--id-column", help="Table column that gives each row's custom_id."),
+        click.option(
+            "--system",
+            help="System message: table rows become chat requests (system + the filled "
+            "template as user message); JSONL chat lines without one get it.",
+        ),
+        click.option(
+            "--chat", is_flag=True, help="Table rows become chat requests (user message)."
+        ),
+        *_DEFAULT_OPTIONS,
+    ]
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        given = {k: kwargs.pop(k) for k in DEFAULTABLE}
+        fields = {k: v for k, v in given.items() if v is not None and v != ()}
+        if "stop" in fields:
+            fields["stop"] = list(fields["stop"])
+        try:
+            defaults = RequestDefaults(fields, kwargs.pop("system"))
+        except ValueError as e:
+            raise click.UsageError(str(e)) from e
+        kwargs["inputs"] = InputOptions(
+            template=kwargs.pop("template"),
+            id_column=kwargs.pop("id_column"),
+            chat=kwargs.pop("chat"),
+            defaults=defaults,
+        )
+        return f(*args, **kwargs)
+
+    return functools.reduce(lambda acc, opt: opt(acc), reversed(options), wrapper)
+
+
+def emit_table(conn: redis.Redis, batch_id: str, output: str, fmt: str, with_input: bool) -> None:
+    """Write a batch's results as a CSV or Parquet table (``-`` is stdout, CSV only)."""
+    from mlxq.formats import table_output as t
+
+    if fmt == "parquet" and output == "-":
+        fail("--format parquet needs a file: give -o FILE.parquet")
+    results = list(q.iter_batch_results(conn, batch_id))
+    done = [r for r in results if r is not None]
+    columns, rows = t.table_rows(done, with_input)
+    if output != "-":
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "parquet":
+        t.write_parquet(output, columns, rows)
+    else:
+        with click.open_file(output, "w", encoding="utf-8") as out:
+            t.write_csv(out, columns, rows)
+    if output != "-":
+        click.echo(f"wrote {len(rows)} rows to {output}", err=True)
+    lacking = t.rows_without_input(done) if with_input else 0
+    if lacking:
+        click.echo(
+            f"note: {lacking} rows have no stored input (jobs that never ran keep none); "
+            "their input columns are empty",
+            err=True,
+        )
+    missing = len(results) - len(done)
+    if missing:
+        fail(
+            f"{missing} of {len(results)} requests are not done yet; "
+            "rerun with --wait to wait for them"
+        )
