@@ -368,13 +368,32 @@ def test_run_writes_constrained_results(tiny_model, tmp_path):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     env = {k: v for k, v in os.environ.items() if k != "MLXQ_REDIS_URL"}
-    run = run_mlxq("run", str(src), "--model", tiny_model, "-o", str(out), env=env)
+    default = json.dumps({"type": "regex", "pattern": "[0-9]{3}"})  # for lines without one
+    args = ("run", str(src), "--model", tiny_model, "-o", str(out), "--response-format", default)
+    run = run_mlxq(*args, env=env)
     assert run.returncode == 0, run.stderr
     results = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert results["o"]["finish_reason"] == "stop"
     jsonschema.validate(json.loads(results["o"]["text"]), schema)
     assert results["r"]["finish_reason"] == "stop" and re.fullmatch(REGEX, results["r"]["text"])
-    assert results["f"]["error"] is None
+    assert results["f"]["finish_reason"] == "stop" and re.fullmatch(
+        "[0-9]{3}", results["f"]["text"]
+    )
+
+    # A table, every row under --json-schema; a broken one is refused before anything runs.
+    table, schema_file = tmp_path / "q.csv", tmp_path / "answer.json"
+    table.write_text("question\nIs it?\nReally?\n")
+    schema_file.write_text(json.dumps(schema))
+    rows = ("run", str(table), "--template", "Q: {question}\nA:", "--model", tiny_model)
+    run = run_mlxq(*rows, "--json-schema", str(schema_file), "-o", str(out), env=env)
+    assert run.returncode == 0, run.stderr
+    answers = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["finish_reason"] for r in answers] == ["stop", "stop"]
+    for r in answers:
+        jsonschema.validate(json.loads(r["text"]), schema)
+    schema_file.write_text(json.dumps({"type": "array", "uniqueItems": True}))
+    run = run_mlxq(*rows, "--json-schema", str(schema_file), "-o", str(out), env=env)
+    assert run.returncode != 0 and "uniqueItems" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_hook_protocol_for_engines_that_process_the_whole_batch(tiny):
