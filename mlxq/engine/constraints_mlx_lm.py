@@ -49,6 +49,8 @@ class MaskingModel:
         self.model, self.owner = model, owner
 
     def __getattr__(self, name: str) -> Any:  # layers, make_cache, args...: the model's
+        if name in ("model", "owner"):  # not set yet (copying): no recursion
+            raise AttributeError(name)
         return getattr(self.model, name)
 
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
