@@ -32,6 +32,13 @@ from mlxq.wire import ResponseFormat
 _CACHE_SIZE = 256
 
 
+def logits_width(model: Any, tokenizer: Any) -> int:
+    """How many logits the model outputs per token (at least the tokenizer's vocabulary):
+    the width masks are made for."""
+    args = getattr(model, "args", None)
+    return max(len(tokenizer), getattr(args, "vocab_size", 0) or 0)
+
+
 def make_lltokenizer(tokenizer: Any, vocab_size: int) -> llguidance.LLTokenizer:
     """An llguidance tokenizer for an mlx-lm ``TokenizerWrapper``, its masks ``vocab_size``
     wide (the model's logits), with the wrapper's EOS tokens."""

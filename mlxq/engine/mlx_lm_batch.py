@@ -24,6 +24,7 @@ import mlx_lm
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
+from mlxq.engine.constraints import logits_width
 from mlxq.engine.constraints_mlx_lm import BatchGeneratorConstraints
 from mlxq.engine.model_facts import model_info
 from mlxq.engine.prefix_cache import Plan, make_prefix_cache
@@ -53,12 +54,6 @@ def _error_line(exc: BaseException) -> str:
     if "memory" in line.lower() or "alloc" in line.lower():
         return f"{line} (out of memory: lower max_batch or prefill_step, or send shorter jobs)"
     return line
-
-
-def _logits_width(model: nn.Module, tokenizer: Any) -> int:
-    """How many logits the model outputs per token (at least the tokenizer's vocabulary)."""
-    args = getattr(model, "args", None)
-    return max(len(tokenizer), getattr(args, "vocab_size", 0) or 0)
 
 
 class Engine:
@@ -115,7 +110,7 @@ class Engine:
         self._prefix = make_prefix_cache(model, self.info, prefix_cache_bytes)
         self._stats = EngineStats()  # admitted prompts; counters of generators replaced
         # [constraints] Structured outputs (response_format): the matchers, keyed by uid.
-        self._constraints = BatchGeneratorConstraints(tokenizer, _logits_width(model, tokenizer))
+        self._constraints = BatchGeneratorConstraints(tokenizer, logits_width(model, tokenizer))
         self._gen = self._new_generator()
 
     def prefill_length(self, tokens: list[int]) -> int:
