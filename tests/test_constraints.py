@@ -400,7 +400,7 @@ def test_hook_protocol_for_engines_that_process_the_whole_batch(tiny):
     """``ConstraintHook`` driven as an engine drives a batch logits hook, greedy to the end."""
     model, tokenizer = tiny
     vocab = model.args.vocab_size
-    hook = ConstraintHook(tokenizer, vocab)
+    hook = ConstraintHook.for_model(model, tokenizer)
     assert hook.check(Request(prompt="x", response_format=RegexFormat("(x"))) is not None
     assert hook.check(Request(prompt="x", response_format=RegexFormat(REGEX))) is None
     hook.admit("j", Request(prompt="x", response_format=RegexFormat(REGEX)))
@@ -418,6 +418,10 @@ def test_hook_protocol_for_engines_that_process_the_whole_batch(tiny):
     assert re.fullmatch(REGEX, tokenizer.decode(text)) and not hook.failures()
     hook.release("j")
     assert not hook.active
+    hook.admit("unchecked", Request(prompt="x", response_format=RegexFormat("(x")))
+    assert "cannot be enforced" in hook.failures()["unchecked"]
+    out = np.array(hook.process(mx.zeros((1, vocab)), ["unchecked"]))[0]
+    assert {t for t in range(vocab) if not np.isneginf(out[t])} == set(tokenizer.eos_token_ids)
 
 
 def test_constrained_jobs_start_from_a_cached_prefix(tiny):

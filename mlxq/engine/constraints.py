@@ -162,14 +162,16 @@ class ConstraintBatch:
         out = np.full((max(1, len(slots)), width), -1, dtype=np.int32)
         pairs = []
         for i, slot in enumerate(slots):
-            job = self.jobs[slot]
-            job.started = True
-            pairs.append((job.matcher, i))
-        llguidance.numpy.fill_next_token_bitmask_par(self.executor, pairs, out)
+            if (job := self.jobs.get(slot)) is not None:
+                job.started = True
+                pairs.append((job.matcher, i))
+        if pairs:
+            llguidance.numpy.fill_next_token_bitmask_par(self.executor, pairs, out)
         for i, slot in enumerate(slots):
-            if (why := self.jobs[slot].error()) is not None:
+            job = self.jobs.get(slot)
+            if job is not None and (why := job.error()) is not None:
                 self.failures.setdefault(slot, f"the constraint failed: {why}")
-            if slot in self.failures:
+            if slot in self.failures:  # (never decoded unconstrained)
                 out[i] = self._eos_mask
         return out[: len(slots)]
 
@@ -189,7 +191,7 @@ class ConstraintBatch:
                 f"logits of shape {logits.shape} for {len(slots)} slots and masks "
                 f"{self.grammars.vocab_size} tokens wide"
             )
-        rows = [i for i, s in enumerate(slots) if s in self.jobs]
+        rows = [i for i, s in enumerate(slots) if s in self.jobs or s in self.failures]
         if not rows:
             return logits
         masks = self.masks([slots[i] for i in rows])
@@ -256,9 +258,14 @@ class ConstraintHook:
         self.batch = ConstraintBatch(Grammars(tokenizer, vocab_size))
         self._eos = set(tokenizer.eos_token_ids)
 
+    @classmethod
+    def for_model(cls, model: Any, tokenizer: Any) -> ConstraintHook:
+        """A hook for this model's logits and tokenizer."""
+        return cls(tokenizer, logits_width(model, tokenizer))
+
     @property
     def active(self) -> bool:
-        return bool(self.batch.jobs)
+        return bool(self.batch.jobs) or bool(self.batch.failures)
 
     def check(self, request: Any) -> str | None:
         """Why this request's ``response_format`` cannot run here, or None (compiles it)."""
@@ -269,6 +276,8 @@ class ConstraintHook:
         return None
 
     def admit(self, key: str, request: Any) -> None:
+        """A job starts decoding; one whose constraint fails here (not checked at add) is
+        listed in :meth:`failures` and only allowed EOS, never left unconstrained."""
         try:
             job = self.batch.grammars.job(request.response_format)
         except ConstraintError as e:
