@@ -287,9 +287,11 @@ class ConstraintHook:
             self.batch.track(key, job)
 
     def process(self, logits: mx.array, rows: list[str]) -> mx.array:
-        return self.batch.process(logits, rows)
+        return self.batch.process(logits, rows) if self.active else logits
 
     def accept(self, rows: list[str], tokens: list[int]) -> None:
+        if not self.batch.jobs:
+            return
         live = [(r, t) for r, t in zip(rows, tokens, strict=True) if t not in self._eos]
         self.batch.accept([r for r, _ in live], [t for _, t in live])  # (EOS: it ends)
 
