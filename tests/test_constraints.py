@@ -439,3 +439,17 @@ def test_constrained_jobs_start_from_a_cached_prefix(tiny):
         assert done[key].finish_reason == "stop"
         want = constrained_reference(tiny, engine.encode(request), request)
         assert done[key].token_ids == want, key
+
+
+def test_the_python_client_refuses_a_constraint_it_cannot_enforce(valkey_url, conn):
+    from mlxq.client import Client
+
+    client = Client(valkey_url)
+    bad = {"prompt": "x", "response_format": {"type": "grammar", "lark": "start: nothing"}}
+    with pytest.raises(ValueError, match=r"request 1: response_format.lark: cannot be enforced"):
+        client.submit([{"prompt": "fine"}, bad], queue="client-constraints")
+    with pytest.raises(ValueError, match="cannot be enforced"):
+        client.submit([Request(prompt="x", response_format=RegexFormat("[z-a]"))], queue="c")
+    assert conn.llen("rq:queue:client-constraints") == 0
+    client.submit([{"prompt": "ok", "response_format": {"type": "json_object"}}], queue="c")
+    assert conn.llen("rq:queue:c") == 1
