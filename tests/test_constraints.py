@@ -453,3 +453,23 @@ def test_the_python_client_refuses_a_constraint_it_cannot_enforce(valkey_url, co
     assert conn.llen("rq:queue:client-constraints") == 0
     client.submit([{"prompt": "ok", "response_format": {"type": "json_object"}}], queue="c")
     assert conn.llen("rq:queue:c") == 1
+
+
+def test_a_worker_fails_a_job_with_a_bad_constraint_alone(conn, tiny_model):
+    """Jobs enqueued without the submit-time check (another producer) reach a real worker."""
+    from mlxq.broker.batches import iter_batch_results, submit
+    from mlxq.worker.launch import run_worker
+    from mlxq.worker.profile import WorkerProfile
+
+    schema = JsonSchemaFormat(JsonSchemaSpec(schema={"type": "array", "uniqueItems": True}))
+    requests = [
+        Request(prompt="a", max_tokens=40, response_format=RegexFormat(REGEX), custom_id="ok"),
+        Request(prompt="b", max_tokens=8, response_format=schema, custom_id="bad"),
+        Request(prompt="c", max_tokens=8, custom_id="free"),
+    ]
+    batch = submit(conn, requests, queue="vetting")
+    run_worker(WorkerProfile(model=tiny_model, max_batch=4), conn, burst=True, queues=["vetting"])
+    results = {r.custom_id: r for r in iter_batch_results(conn, batch.batch_id)}
+    assert results["bad"].finish_reason == "error" and "uniqueItems" in results["bad"].error
+    assert results["ok"].finish_reason == "stop" and re.fullmatch(REGEX, results["ok"].text)
+    assert results["free"].error is None
