@@ -88,14 +88,22 @@ class Client:
 
 
 def _as_request(obj: Request | Mapping[str, Any], index: int) -> Request:
-    """A Request from a Request, an mlxq dict, or an OpenAI Batch API line."""
+    """A Request from a Request, an mlxq dict, or an OpenAI Batch API line; its
+    ``response_format`` must be one the engine can enforce."""
     if isinstance(obj, Request):
-        return obj
-    if "body" in obj and "url" in obj:
+        req = obj
+    elif "body" in obj and "url" in obj:
         from mlxq.formats.inputs import request_from_openai
 
-        return request_from_openai(dict(obj), index)
-    try:
-        return msgspec.convert(dict(obj), Request)
-    except msgspec.ValidationError as e:
-        raise ValueError(f"request {index}: {e}") from e
+        return request_from_openai(dict(obj), index)  # (checks response_format)
+    else:
+        try:
+            req = msgspec.convert(dict(obj), Request)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"request {index}: {e}") from e
+    if req.response_format is not None:
+        from mlxq.formats.constraints import constraint_problem
+
+        if problem := constraint_problem(req.response_format):
+            raise ValueError(f"request {index}: {problem}")
+    return req

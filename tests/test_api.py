@@ -195,6 +195,41 @@ def test_batches_run_to_completed_with_output_and_error_files(client, client_b, 
     assert message_body["usage"]["total_tokens"] > message_body["usage"]["completion_tokens"]
 
 
+def test_response_format_through_the_openai_client(client, conn, tiny_model):
+    schema = {
+        "type": "object",
+        "properties": {
+            "answer": {"enum": ["yes", "no"]},
+            "confidence": {"type": "integer", "minimum": 0, "maximum": 100},
+        },
+        "required": ["answer", "confidence"],
+        "additionalProperties": False,
+    }
+    as_schema = {"type": "json_schema", "json_schema": {"name": "v", "schema": schema}}
+    lines = [
+        chat_line("s1", "Is it?", max_tokens=60, response_format=as_schema),
+        chat_line("s2", "Really?", max_tokens=60, response_format=as_schema, temperature=1),
+        chat_line("free", "Hi", response_format={"type": "text"}),
+    ]
+    batch = create(client, upload(client, lines), CHAT)
+    bad = [chat_line("b", "x", response_format={"type": "regex", "pattern": "(x"})]
+    refused = wait_final(client, create(client, upload(client, bad), CHAT).id)
+    assert refused.status == "failed" and refused.errors.data[0].line == 1
+    assert "response_format.pattern" in refused.errors.data[0].message
+
+    run_tiny_worker(tiny_model, conn)
+
+    batch = wait_final(client, batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 3
+    rows = read_jsonl(client, batch.output_file_id)
+    for cid in ("s1", "s2"):
+        choice = rows[cid]["response"]["body"]["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        answer = json.loads(choice["message"]["content"])
+        assert answer["answer"] in ("yes", "no") and 0 <= answer["confidence"] <= 100
+        assert set(answer) == {"answer", "confidence"}
+
+
 def test_bad_input_file_fails_validation_with_line_errors(client, conn):
     lines = [
         completion_line("ok", "Hi"),

@@ -4,6 +4,7 @@ the CSV/Parquet writer behind ``mlxq results --format csv|parquet``."""
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,17 @@ _DEFAULT_OPTIONS = [
         type=click.IntRange(0, MAX_LOGPROBS),
         help="Top-n logprobs per token, for requests that do not set it.",
     ),
+    click.option(
+        "--json-schema",
+        type=click.Path(exists=True, dir_okay=False),
+        help="Outputs must be JSON valid under this schema (a .json file), for requests "
+        "that set no response_format.",
+    ),
+    click.option(
+        "--response-format",
+        help='A response_format object as JSON, e.g. \'{"type": "regex", "pattern": '
+        '"[0-9]+"}\', for requests that set none.',
+    ),
 ]
 
 
@@ -88,6 +100,9 @@ def input_options(f: Callable) -> Callable:
         fields = {k: v for k, v in given.items() if v is not None and v != ()}
         if "stop" in fields:
             fields["stop"] = list(fields["stop"])
+        response_format = _response_format(kwargs.pop("json_schema"), fields)
+        if response_format is not None:
+            fields["response_format"] = response_format
         try:
             defaults = RequestDefaults(fields, kwargs.pop("system"))
         except ValueError as e:
@@ -101,6 +116,27 @@ def input_options(f: Callable) -> Callable:
         return f(*args, **kwargs)
 
     return functools.reduce(lambda acc, opt: opt(acc), reversed(options), wrapper)
+
+
+def _response_format(schema_file: str | None, fields: dict[str, Any]) -> Any:
+    """The ``response_format`` default from ``--json-schema FILE`` or ``--response-format``."""
+    text = fields.pop("response_format", None)
+    if schema_file is not None and text is not None:
+        raise click.UsageError("give --json-schema or --response-format, not both")
+    if schema_file is not None:
+        what, raw = "--json-schema", Path(schema_file).read_text(encoding="utf-8")
+    else:
+        what, raw = "--response-format", text
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError as e:
+        raise click.UsageError(f"{what}: not valid JSON ({e})") from e
+    if schema_file is None:
+        return value
+    name = "".join(c if c.isalnum() or c in "_-" else "_" for c in Path(schema_file).stem)
+    return {"type": "json_schema", "json_schema": {"name": name[:64] or "schema", "schema": value}}
 
 
 def emit_table(conn: redis.Redis, batch_id: str, output: str, fmt: str, with_input: bool) -> None:

@@ -24,6 +24,8 @@ import mlx_lm
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
+from mlxq.engine.constraints import logits_width
+from mlxq.engine.constraints_mlx_lm import BatchGeneratorConstraints
 from mlxq.engine.model_facts import model_info
 from mlxq.engine.prefix_cache import Plan, make_prefix_cache
 from mlxq.engine.prompts import JobInputError, PromptEncoder, error_line
@@ -37,6 +39,7 @@ from mlxq.engine.sampling import (
     token_logprobs,
 )
 from mlxq.engine.stats import EngineStats, add_work
+from mlxq.formats.constraints import ConstraintError
 from mlxq.wire import FinishReason, Request, TokenLogprob
 
 
@@ -94,6 +97,8 @@ class Engine:
         self._chunks: list[StreamChunk] = []  # stream jobs' new output, see take_stream
         self._prefix = make_prefix_cache(model, self.info, prefix_cache_bytes)
         self._stats = EngineStats()  # admitted prompts; the generators' work, step by step
+        # [constraints] Structured outputs (response_format): the matchers, keyed by uid.
+        self._constraints = BatchGeneratorConstraints(tokenizer, logits_width(model, tokenizer))
         self._gen = self._new_generator()
 
     def prefill_length(self, tokens: list[int]) -> int:
@@ -107,7 +112,7 @@ class Engine:
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
-            self.model,
+            self._constraints.wrap(self.model),  # [constraints]
             stop_tokens=[[t] for t in self._eos],
             sampler=greedy_sampler,
             completion_batch_size=self.max_batch,
@@ -146,9 +151,11 @@ class Engine:
         try:
             tokens = self._prompts.prompt_tokens(job.request) if tokens is None else list(tokens)
             self._prompts.check_tokens(tokens, job.request.max_tokens)
-        except JobInputError as exc:
+            constraint = self._constraints.job(job.request.response_format)  # [constraints]
+        except (JobInputError, ConstraintError) as exc:
             return Completion(job.key, "error", error=str(exc), admitted_at=now, finished_at=now)
         run = RunningJob.start(job, tokens, self.tokenizer, now)
+        run.constraint = constraint
         self._stats.prompt_tokens += len(tokens)
         if self._prefix is not None:  # planned at the next step, once the burst is counted
             self._prefix.observe(tokens)
@@ -161,6 +168,9 @@ class Engine:
         req = run.job.request
         penalty = req.repetition_penalty
         processors = [] if penalty is None else make_logits_processors(repetition_penalty=penalty)
+        row = None if run.constraint is None else self._constraints.processor(run.constraint)
+        if row is not None:  # [constraints] after the penalty, before sampling
+            processors.append(row)
         sampler = make_job_sampler(req, self.info.vocab_size)
         segments, cache, known = [run.prompt], None, []
         if plan is not None:  # start from a copy of the cached prefix
@@ -179,6 +189,8 @@ class Engine:
                 plan.release()
             return run.completion("error", "", f"could not start the job: {error_line(exc)}")
         run.plan = plan
+        if row is not None:  # [constraints]
+            self._constraints.track(uid, row)
         self._runs[uid] = run
         self._uids[run.job.key] = uid
         return None
@@ -214,7 +226,9 @@ class Engine:
             return done
         try:
             with self._gen.stats() as work:
+                self._constraints.before_step(self._gen)  # [constraints]
                 prompt_responses, responses = self._gen.next()
+            self._constraints.after_step()  # [constraints]
         except Exception as exc:
             add_work(self._stats, work)
             return done + self._fail_batch(exc)
@@ -239,6 +253,10 @@ class Engine:
                 done.append(self._finish(r.uid, reason))
             elif run.job.request.stream:
                 run.stream_update(self.tokenizer, self._chunks)
+        for uid, why in self._constraints.failures().items():  # [constraints] that job only
+            if uid in self._runs:
+                self._gen.remove([uid])
+                done.append(self._finish(uid, "error", why))
         return done
 
     def take_stream(self) -> list[StreamChunk]:
@@ -268,6 +286,7 @@ class Engine:
     def _finish(self, uid: int, reason: FinishReason, error: str | None = None) -> Completion:
         run = self._runs.pop(uid)
         del self._uids[run.job.key]
+        self._constraints.drop(uid)  # [constraints]
         if run.plan is not None:
             run.plan.release()  # a prefix it did not get to store
         return run.finish(reason, self.tokenizer, self._chunks, error)
@@ -287,6 +306,7 @@ class Engine:
         for uid in sorted(waiting & self._runs.keys()):
             run = self._runs.pop(uid)
             del self._uids[run.job.key]
+            self._constraints.drop(uid)  # [constraints]
             if self._prefix is None:
                 if (done := self._insert(run)) is not None:
                     failed.append(done)

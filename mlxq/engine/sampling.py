@@ -12,6 +12,7 @@ token, so its samples do not depend on the other jobs in the batch.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -84,6 +85,7 @@ class RunningJob:
     plan: Plan | None = None  # its use of the prefix cache
     streamed_tokens: int = 0  # stream jobs: how much has been handed out
     streamed_chars: int = 0
+    constraint: Any | None = None  # its JobConstraint (response_format), if any
 
     def add_token(self, token: int, logprob: TokenLogprob | None) -> bool:
         """Record one generated token; True when the text now contains a stop string."""
@@ -222,6 +224,8 @@ def token_logprobs(logprobs: mx.array, tokens: list[int], ns: list[int]) -> list
         pairs = []
         if top is not None and ns[i] > 0:
             row = zip(top[i].tolist(), top_values[i].tolist(), strict=True)
+            # (-inf: a token a constraint forbids, not an alternative)
             pairs = sorted(row, key=lambda p: (-p[1], p[0]))[: ns[i]]
+            pairs = [p for p in pairs if p[1] != -math.inf]
         out.append(TokenLogprob(token, value, [TopLogprob(t, v) for t, v in pairs]))
     return out

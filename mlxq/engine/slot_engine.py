@@ -39,6 +39,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from mlxq.engine import mlx_lm_seam
 from mlxq.engine.attention import choose_kernel
+from mlxq.engine.constraints import ConstraintHook
 from mlxq.engine.hardware import backend_name
 from mlxq.engine.model_facts import model_info
 from mlxq.engine.prefix_cache import Plan, make_prefix_cache
@@ -114,7 +115,9 @@ class SlotEngine:
         self._prompts = PromptEncoder(tokenizer, self.info)
         self.max_batch, self.prefill_step = max_batch, prefill_step
         self.prefill_batch = max(1, min(prefill_batch, max_batch))
-        self.hooks = list(hooks or [])
+        # Structured outputs (response_format) are one more batch hook.
+        self._constraints = ConstraintHook.for_model(model, tokenizer)
+        self.hooks = [*(hooks or []), self._constraints]
         self.attention, self._kernel = choose_kernel(backend_name(), attention)
         self.join_wait = JOIN_WAIT_STEPS
         log.info("slot engine: %s decode attention, batch %d", self.attention, max_batch)
@@ -178,6 +181,8 @@ class SlotEngine:
         try:
             tokens = self._prompts.prompt_tokens(job.request) if tokens is None else list(tokens)
             self._prompts.check_tokens(tokens, job.request.max_tokens)
+            if (why := self._constraints.check(job.request)) is not None:
+                raise JobInputError(why)
         except JobInputError as exc:
             return Completion(job.key, "error", error=str(exc), admitted_at=now, finished_at=now)
         run = RunningJob.start(job, tokens, self.tokenizer, now)
@@ -310,7 +315,9 @@ class SlotEngine:
         before while the next computes (:mod:`mlxq.engine.slot_decode`); synchronous when
         a row needs host tokens."""
         tic, done = time.perf_counter(), []
-        sync = bool(self.hooks) or any(r.processors for r in self._rows.values())
+        # Hooks that act need host tokens each step; an idle one (no constrained row) does not.
+        hooks_act = any(getattr(h, "active", True) for h in self.hooks)
+        sync = hooks_act or any(r.processors for r in self._rows.values())
         if sync and self._inflight is not None:
             done += self._collect(self._inflight)
             self._inflight = None
@@ -355,9 +362,16 @@ class SlotEngine:
             keys = [r.run.job.key for _, r in live]
             for hook in self.hooks:
                 hook.accept(keys, [tokens[i] for i, _ in live])
+        failed = self._constraints.failures()
+        done = [
+            self._finish(r.slot, "error", failed[k])
+            for _, r in live
+            if (k := r.run.job.key) in failed
+        ]
+        live = [(i, r) for i, r in live if self._rows.get(r.slot) is r]
         self._stats.generated_tokens += len(live)
         lp = self._logprobs(step, tokens, live)
-        now, done = time.time(), []
+        now = time.time()
         for i, row in live:
             token, run = tokens[i], row.run
             if run.first_token_at is None:

@@ -15,8 +15,9 @@ from typing import Any
 
 import msgspec
 
+from mlxq.formats.constraints import constraint_problem
 from mlxq.formats.input_errors import InvalidLine, explain
-from mlxq.wire import Message, Request
+from mlxq.wire import Message, Request, ResponseFormat
 
 # Fields a default may set (the ones that shape generation, not identity or routing).
 DEFAULTABLE = (
@@ -29,6 +30,7 @@ DEFAULTABLE = (
     "seed",
     "stop",
     "logprobs",
+    "response_format",
 )
 # OpenAI body names that set a Request field.
 _OPENAI_NAMES = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
@@ -46,9 +48,11 @@ class RequestDefaults:
         if unknown:
             raise ValueError(f"cannot default {', '.join(sorted(unknown))}")
         try:  # check the values once, with the same constraints a line is held to
-            msgspec.convert({"prompt": "x", **self.fields}, Request)
+            req = msgspec.convert({"prompt": "x", **self.fields}, Request)
         except msgspec.ValidationError as e:
             raise ValueError(explain(e, self.fields)) from e
+        if req.response_format is not None and (problem := constraint_problem(req.response_format)):
+            raise ValueError(problem)
 
     def __bool__(self) -> bool:
         return bool(self.fields) or self.system is not None
@@ -56,6 +60,8 @@ class RequestDefaults:
     def apply(self, req: Request, given: set[str], line: int) -> Request:
         """``req`` with every default whose field is not in ``given`` (what the line set)."""
         changes = {k: v for k, v in self.fields.items() if k not in given}
+        if "response_format" in changes:  # (a JSON object here; the field is a Struct)
+            changes["response_format"] = msgspec.convert(changes["response_format"], ResponseFormat)
         if self.system is not None:
             if req.messages is None:
                 raise InvalidLine(

@@ -181,6 +181,10 @@ _HINTS = {
     "alternatives per token (0 = only the chosen token's logprob)",
     "custom_id": "give {name} as a non-empty string of at most 512 characters",
     "metadata": "give {name} as a JSON object",
+    "response_format": "give {name} as "
+    '{{"type": "json_schema", "json_schema": {{"name": "...", "schema": {{...}}}}}}, '
+    '{{"type": "json_object"}}, {{"type": "regex", "pattern": "..."}} or '
+    '{{"type": "grammar", "lark": "..."}}',
 }
 _MESSAGE_HINT = 'each message is {"role": "user", "content": "text"}'
 

@@ -26,6 +26,7 @@ from typing import Any, BinaryIO
 
 import msgspec
 
+from mlxq.formats.constraints import constraint_problem
 from mlxq.formats.defaults import RequestDefaults, given_fields
 from mlxq.formats.input_errors import (
     InvalidLine,
@@ -298,6 +299,8 @@ def _parse_line(
         req = _request_from_json(raw, line, failure)
     if defaults:
         req = defaults.apply(req, given_fields(raw), line)
+    if req.response_format is not None and (problem := constraint_problem(req.response_format)):
+        raise InvalidLine(line, problem)  # (OpenAI lines were checked already: cached)
     if req.custom_id is None:
         req.custom_id = f"line-{line}"
         return req, True

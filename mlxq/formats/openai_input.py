@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from mlxq.formats.constraints import constraint_problem
 from mlxq.formats.input_errors import InvalidLine, explain, fields_named, show
 from mlxq.wire import Request
 
@@ -39,6 +40,7 @@ _COMMON_BODY = (
     "frequency_penalty",
     "presence_penalty",
     "metadata",
+    "response_format",
     # mlxq extras
     "top_k",
     "min_p",
@@ -49,7 +51,15 @@ _BODY_FIELDS = {
     COMPLETIONS_URL: ("prompt", "logprobs", "echo", "best_of", *_COMMON_BODY),
 }
 # Body fields passed to Request unchanged (its constraints check them).
-_PASSTHROUGH = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty")
+_PASSTHROUGH = (
+    "temperature",
+    "top_p",
+    "seed",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "response_format",
+)
 _Fail = Callable[[str], InvalidLine]
 _MEDIA_PARTS = frozenset(
     {"image_url", "input_image", "image", "input_audio", "audio", "file", "video", "video_url"}
@@ -97,9 +107,12 @@ def request_from_openai(obj: dict[str, Any], line: int) -> Request:
         d["stop"] = [stop] if isinstance(stop, str) else stop
     _logprobs(body, chat, d, renames, fail)
     try:
-        return msgspec.convert(d, Request)
+        req = msgspec.convert(d, Request)
     except msgspec.ValidationError as e:
         raise fail(explain(e, d, renames=renames, prefix="body.")) from e
+    if req.response_format is not None and (problem := constraint_problem(req.response_format)):
+        raise fail(f"body.{problem}")
+    return req
 
 
 def _envelope(obj: dict[str, Any], fail: _Fail) -> tuple[str, Any]:

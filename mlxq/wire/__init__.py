@@ -11,6 +11,15 @@ import msgspec
 
 from mlxq.wire.records import BatchInfo, BatchStatus, JobMeta, ModelInfo, QueueInfo, WorkerInfo
 from mlxq.wire.request import MAX_LOGPROBS, MAX_TOKENS_LIMIT, Message, Request, request_decoder
+from mlxq.wire.response_format import (
+    GrammarFormat,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    JsonSchemaSpec,
+    RegexFormat,
+    ResponseFormat,
+    TextFormat,
+)
 from mlxq.wire.result import (
     FinishReason,
     Result,
@@ -31,13 +40,20 @@ __all__ = [
     "BatchInfo",
     "BatchStatus",
     "FinishReason",
+    "GrammarFormat",
     "JobMeta",
+    "JsonObjectFormat",
+    "JsonSchemaFormat",
+    "JsonSchemaSpec",
     "Message",
     "ModelInfo",
     "QueueInfo",
+    "RegexFormat",
     "Request",
+    "ResponseFormat",
     "Result",
     "StreamEntry",
+    "TextFormat",
     "Timing",
     "TokenLogprob",
     "TopLogprob",

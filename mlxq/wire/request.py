@@ -7,6 +7,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
+from mlxq.wire.response_format import ResponseFormat
+
 # Generous upper bounds that still catch typos (a max_tokens of 10**9 is never meant).
 MAX_TOKENS_LIMIT = 1_000_000
 MAX_LOGPROBS = 20
@@ -29,7 +31,9 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True):
     logprobs. ``stop`` strings end generation and are not included in the text.
     ``logprobs`` asks for the top-n alternatives of every generated token (0 = only the
     chosen token's logprob). ``stream`` appends text to ``keys.stream(job_id)`` as it is
-    generated, so a service can show partial output.
+    generated, so a service can show partial output. ``response_format`` constrains the
+    output to a JSON schema, any JSON object, a regex or a Lark grammar
+    (:mod:`mlxq.wire.response_format`).
     """
 
     prompt: str | list[TokenId] | None = None
@@ -46,6 +50,7 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True):
     custom_id: Annotated[str, Meta(min_length=1, max_length=512)] | None = None
     metadata: dict[str, Any] = {}
     stream: bool = False  # append tokens to a Redis stream as they come (`mlxq tail`)
+    response_format: ResponseFormat | None = None  # JSON schema, regex or grammar
 
     def __post_init__(self) -> None:
         has_prompt = self.prompt is not None

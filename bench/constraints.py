@@ -1,0 +1,188 @@
+"""The cost of structured outputs: JSON-schema jobs next to the same jobs unconstrained.
+
+One in-memory engine per mode on the same random-weight model (no Redis: the cost of
+constraints is an engine matter). Per batch size, ``--factor`` x batch jobs (a queue deeper
+than the batch) with prompts of mixed lengths run three ways:
+
+- ``json``: every job has a bounded JSON schema (``response_format``); each ends when its
+  schema completes (varied lengths, as EOS would make them);
+- ``free``: the same prompts without constraints, EOS off, each generating exactly as many
+  tokens as it did under its schema (the same work, so the ratio is the constraints' cost);
+- ``mixed``: every other job constrained, the rest free (as ``free``).
+
+Tok/s counts every decode step of a job (its EOS step too). Modes alternate for
+``--repeat`` rounds and the median is reported.
+
+Usage: ``python bench/constraints.py --preset tiny --batches 64,256`` (see bench/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from common import Stopwatch, describe_device, fmt_num, table, use_openblas, write_json
+
+SEED = 0
+PROMPT_RANGE = (16, 512)
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 24},
+        "sentiment": {"enum": ["positive", "neutral", "negative"]},
+        "score": {"type": "integer", "minimum": 1, "maximum": 5},
+        "topics": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 12},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+        "spam": {"type": "boolean"},
+    },
+    "required": ["title", "sentiment", "score", "topics", "spam"],
+    "additionalProperties": False,
+}
+
+
+def load(preset: str, path: str | None = None) -> tuple[Any, Any]:
+    """The model at ``path`` or, without one, the preset with random weights, made in a
+    temporary folder; loaded by mlx-lm."""
+    import mlx_lm
+
+    from mlxq.engine.make_model import make_model
+
+    if path:
+        return mlx_lm.load(path)[:2]
+    with tempfile.TemporaryDirectory() as tmp:
+        model, tokenizer = mlx_lm.load(str(make_model(Path(tmp) / preset, preset)))[:2]
+    return model, tokenizer
+
+
+def prompts(tokenizer: Any, n: int) -> list[list[int]]:
+    """``n`` prompts of token ids, log-uniform lengths in PROMPT_RANGE, no special tokens."""
+    rng = random.Random(SEED)
+    special = set(tokenizer.all_special_ids) | set(tokenizer.eos_token_ids)
+    pool = [i for i in range(len(tokenizer)) if i not in special]
+    lo, hi = PROMPT_RANGE
+    lengths = [round(lo * (hi / lo) ** rng.random()) for _ in range(n)]
+    return [[rng.choice(pool) for _ in range(k)] for k in lengths]
+
+
+def run(engine: Any, jobs: list[Any]) -> tuple[tuple[float, float], dict[str, Any]]:
+    """Admit every job, step until all are done: (wall, CPU) seconds and the completions.
+
+    CPU seconds (all of the process's threads) are the steadier figure on a shared machine.
+    """
+    from mlxq.engine.sampling import EngineJob
+
+    clock, cpu = Stopwatch(), time.process_time()
+    for i, request in enumerate(jobs):
+        assert engine.add(EngineJob(str(i), request)) is None
+    done = {}
+    while engine.active:
+        done.update((c.key, c) for c in engine.step())
+    return (clock.stop(), time.process_time() - cpu), done
+
+
+def steps(c: Any) -> int:
+    """Decode steps a job took: its tokens, plus the EOS step that ended it."""
+    return len(c.token_ids) + (c.finish_reason == "stop")
+
+
+def bench_batch(model: Any, tokenizer: Any, batch: int, args: argparse.Namespace) -> dict:
+    from mlxq.engine.mlx_lm_batch import Engine
+    from mlxq.wire import JsonSchemaFormat, JsonSchemaSpec, Request
+
+    fmt = JsonSchemaFormat(JsonSchemaSpec(schema=SCHEMA, name="review", strict=True))
+    ps = prompts(tokenizer, batch * args.factor)
+    sizes = {"max_batch": batch, "prefill_batch": args.prefill_batch}
+    constrained = Engine.from_loaded(model, tokenizer, "bench", **sizes)
+    json_jobs = [Request(prompt=p, max_tokens=args.max_tokens, response_format=fmt) for p in ps]
+    run(constrained, json_jobs[:4])  # warm up: compile the schema, build the tokenizer
+    _, first = run(constrained, json_jobs)
+    lengths = [steps(first[str(i)]) for i in range(len(ps))]
+    unfinished = sum(c.finish_reason != "stop" for c in first.values())
+
+    eos, tokenizer.eos_token_ids = tokenizer.eos_token_ids, []  # free jobs: exact lengths
+    try:
+        free = Engine.from_loaded(model, tokenizer, "bench", **sizes)
+    finally:
+        tokenizer.eos_token_ids = eos
+    free_jobs = [Request(prompt=p, max_tokens=n) for p, n in zip(ps, lengths, strict=True)]
+    mixed_jobs = [json_jobs[i] if i % 2 == 0 else free_jobs[i] for i in range(len(ps))]
+    run(free, free_jobs[:4])
+
+    secs: dict[str, list[tuple[float, float]]] = {"free": [], "json": [], "mixed": []}
+    for _ in range(args.repeat):
+        secs["free"].append(run(free, free_jobs)[0])
+        secs["json"].append(run(constrained, json_jobs)[0])
+        secs["mixed"].append(run(constrained, mixed_jobs)[0])
+    tokens = sum(lengths)
+    out = {"batch": batch, "jobs": len(ps), "tokens": tokens, "unfinished_json": unfinished}
+    out["mean_output"] = tokens / len(ps)
+    out["mean_prompt"] = sum(map(len, ps)) / len(ps)
+    for mode, s in secs.items():
+        wall, cpu = [w for w, _ in s], [c for _, c in s]
+        out[mode] = {"wall_s": wall, "cpu_s": cpu, "tok_s": tokens / statistics.median(wall)}
+        out[mode]["tok_per_cpu_s"] = tokens / statistics.median(cpu)
+    return out
+
+
+def report(rows: list[dict], header: str) -> str:
+    lines = [header, ""]
+    cells = []
+    for r in rows:
+        free, json_, mixed = r["free"], r["json"], r["mixed"]
+        cells.append(
+            [
+                str(r["batch"]),
+                f"{r['jobs']} ({r['mean_prompt']:.0f} + {r['mean_output']:.0f})",
+                fmt_num(free["tok_s"]),
+                fmt_num(json_["tok_s"]),
+                f"{json_['tok_s'] / free['tok_s']:.2f}x",
+                f"{json_['tok_per_cpu_s'] / free['tok_per_cpu_s']:.2f}x",
+                f"{mixed['tok_s'] / free['tok_s']:.2f}x",
+                f"{mixed['tok_per_cpu_s'] / free['tok_per_cpu_s']:.2f}x",
+                str(r["unfinished_json"]),
+            ]
+        )
+    headers = ["batch", "jobs (prompt + out)", "free tok/s", "json tok/s", "json/free"]
+    headers += ["(CPU)", "mixed/free", "(CPU)", "json unfinished"]
+    lines.append(table(headers, cells))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny", help="mlxq.engine.make_model preset")
+    p.add_argument("--model", help="a local mlx-lm model folder instead of a preset")
+    p.add_argument("--batches", default="64,256", help="decode batch sizes, comma-separated")
+    p.add_argument("--factor", type=int, default=2, help="jobs per run = factor x batch")
+    p.add_argument("--max-tokens", type=int, default=256, help="max_tokens of the JSON jobs")
+    p.add_argument("--prefill-batch", type=int, default=8)
+    p.add_argument("--repeat", type=int, default=3, help="rounds of the three modes")
+    p.add_argument("--json", help="write the figures to this file")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    use_openblas()
+    args = parse_args(argv)
+    model, tokenizer = load(args.preset, args.model)
+    rows = [bench_batch(model, tokenizer, int(b), args) for b in args.batches.split(",")]
+    name = args.model or args.preset
+    header = f"{name} on {describe_device()}, prefill batch {args.prefill_batch}"
+    print(report(rows, header))
+    if args.json:
+        write_json(args.json, {"model": name, "device": describe_device(), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""Structured outputs in the batch: llguidance matchers, masks filled together, applied by MLX.
+
+:class:`Grammars` compiles each distinct constraint once for the engine's tokenizer (cached
+by content) and hands out a fresh :class:`JobConstraint` per job. :class:`ConstraintBatch`
+is the engine-side hook: once per decode step it advances the matchers of the constrained
+rows by the tokens just sampled (``accept``) and fills all their masks in one
+``LLExecutor`` call, in parallel threads off the GIL (``masks``); :func:`apply_masks` then
+applies them to the logits on the device (llguidance's kernel on Metal, plain MLX ops on
+CUDA and the CPU). Rows without a constraint are never touched.
+
+A matcher that fails (its grammar hit a resource limit, or a token it cannot take) is
+recorded in ``ConstraintBatch.failures`` for the engine to fail that job alone; its row
+gets an EOS-only mask meanwhile.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy
+import mlx.core as mx
+import numpy as np
+
+from mlxq.formats.constraints import ConstraintError, constraint_key, grammar_of
+from mlxq.wire import ResponseFormat
+
+_CACHE_SIZE = 256
+
+
+def logits_width(model: Any, tokenizer: Any) -> int:
+    """How many logits the model outputs per token (at least the tokenizer's vocabulary):
+    the width masks are made for."""
+    args = getattr(model, "args", None)
+    return max(len(tokenizer), getattr(args, "vocab_size", 0) or 0)
+
+
+def make_lltokenizer(tokenizer: Any, vocab_size: int) -> llguidance.LLTokenizer:
+    """An llguidance tokenizer for an mlx-lm ``TokenizerWrapper``, its masks ``vocab_size``
+    wide (the model's logits), with the wrapper's EOS tokens."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    eos = sorted(tokenizer.eos_token_ids)
+    return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos)
+
+
+@dataclass
+class JobConstraint:
+    """One job's matcher, and whether it has had its first mask (so has tokens to take)."""
+
+    matcher: llguidance.LLMatcher
+    started: bool = False
+
+    def error(self) -> str | None:
+        """Why the matcher failed, or None."""
+        if not self.matcher.is_error():
+            return None
+        return self.matcher.get_error() or "the matcher is in an error state"
+
+    def reset(self) -> None:
+        """Back to the start of the grammar (a job that starts over)."""
+        self.matcher.reset()
+        self.started = False
+
+
+class Grammars:
+    """Constraints compiled for one tokenizer, cached by content (LRU)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self._tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._lltok: llguidance.LLTokenizer | None = None  # built on first use (~1 s)
+        self._cache: collections.OrderedDict[Hashable, llguidance.LLMatcher | str] = (
+            collections.OrderedDict()
+        )
+
+    @property
+    def lltokenizer(self) -> llguidance.LLTokenizer:
+        if self._lltok is None:
+            self._lltok = make_lltokenizer(self._tokenizer, self.vocab_size)
+        return self._lltok
+
+    def job(self, fmt: ResponseFormat | None) -> JobConstraint | None:
+        """A fresh constraint for a job (None for free text); raises ``ConstraintError``."""
+        key = constraint_key(fmt)
+        if key is None:
+            return None
+        template = self._cache.get(key)
+        if template is None:
+            template = self._compile(fmt)
+            self._cache[key] = template
+            if len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
+        if isinstance(template, str):
+            raise ConstraintError(template)
+        return JobConstraint(template.deep_copy())
+
+    def _compile(self, fmt: ResponseFormat | None) -> llguidance.LLMatcher | str:
+        try:
+            grammar = grammar_of(fmt)
+        except ConstraintError as e:
+            return str(e)
+        try:
+            lltok = self.lltokenizer
+        except Exception as e:  # e.g. a slow (non-"fast") Hugging Face tokenizer
+            return (
+                "response_format: this model's tokenizer cannot be used for constrained "
+                f"decoding ({type(e).__name__}: {e}); send the job without response_format"
+            )
+        matcher = llguidance.LLMatcher(lltok, grammar or "", log_level=0)
+        if matcher.is_error():
+            return f"response_format: cannot be enforced for this model: {matcher.get_error()}"
+        return matcher
+
+
+class ConstraintBatch:
+    """The constrained rows of a batch, each under a slot id the engine chooses."""
+
+    def __init__(self, grammars: Grammars, threads: int | None = None) -> None:
+        self.grammars = grammars
+        self._executor: llguidance.LLExecutor | None = None
+        self._threads = threads
+        self.jobs: dict[Hashable, JobConstraint] = {}
+        self.failures: dict[Hashable, str] = {}  # slot -> why its matcher failed
+
+    @property
+    def executor(self) -> llguidance.LLExecutor:
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(self._threads)
+        return self._executor
+
+    def track(self, slot: Hashable, job: JobConstraint) -> None:
+        """Constrain the row in ``slot`` from its next mask on."""
+        self.jobs[slot] = job
+
+    def drop(self, slot: Hashable) -> None:
+        """Forget a row (finished, cancelled or failed)."""
+        self.jobs.pop(slot, None)
+        self.failures.pop(slot, None)
+
+    def accept(self, slots: Sequence[Hashable], tokens: Sequence[int]) -> None:
+        """Advance the matchers of ``slots`` (those started) by their sampled tokens."""
+        pairs = [
+            (slot, job.matcher, int(t))
+            for slot, t in zip(slots, tokens, strict=True)
+            if (job := self.jobs.get(slot)) is not None and job.started
+        ]
+        if not pairs:
+            return
+        ok = self.executor.consume_token_par([(m, t) for _, m, t in pairs])
+        for (slot, matcher, token), fine in zip(pairs, ok, strict=True):
+            if not fine:
+                why = matcher.get_error() or f"token {token} is not allowed here"
+                self.failures.setdefault(slot, f"the constraint failed: {why}")
+
+    def masks(self, slots: Sequence[Hashable]) -> np.ndarray:
+        """The next-token bitmasks of ``slots`` (rows in that order), filled in parallel."""
+        width = (self.grammars.vocab_size + 31) // 32
+        out = np.full((max(1, len(slots)), width), -1, dtype=np.int32)
+        pairs = []
+        for i, slot in enumerate(slots):
+            if (job := self.jobs.get(slot)) is not None:
+                job.started = True
+                pairs.append((job.matcher, i))
+        if pairs:
+            llguidance.numpy.fill_next_token_bitmask_par(self.executor, pairs, out)
+        for i, slot in enumerate(slots):
+            job = self.jobs.get(slot)
+            if job is not None and (why := job.error()) is not None:
+                self.failures.setdefault(slot, f"the constraint failed: {why}")
+            if slot in self.failures:  # (never decoded unconstrained)
+                out[i] = self._eos_mask
+        return out[: len(slots)]
+
+    @property
+    def _eos_mask(self) -> np.ndarray:
+        """A mask that allows only EOS: a failed row ends while the engine fails its job."""
+        width = (self.grammars.vocab_size + 31) // 32
+        bits = np.zeros(width * 32, dtype=np.uint8)
+        bits[self.grammars.lltokenizer.eos_tokens] = 1
+        return np.packbits(bits, bitorder="little").view(np.int32)
+
+    def process(self, logits: mx.array, slots: Sequence[Hashable]) -> mx.array:
+        """``logits`` (one row per slot) with the masks of the tracked slots applied."""
+        n, vocab = logits.shape
+        if n != len(slots) or vocab > self.grammars.vocab_size:
+            raise ValueError(
+                f"logits of shape {logits.shape} for {len(slots)} slots and masks "
+                f"{self.grammars.vocab_size} tokens wide"
+            )
+        rows = [i for i, s in enumerate(slots) if s in self.jobs or s in self.failures]
+        if not rows:
+            return logits
+        masks = self.masks([slots[i] for i in rows])
+        if len(rows) < n:  # free rows get all-ones masks: their logits pass unchanged
+            full = np.full((n, masks.shape[1]), -1, dtype=np.int32)
+            full[rows] = masks
+            masks = full
+        return DeviceMasks(masks, vocab).apply(logits)
+
+
+class DeviceMasks:
+    """Bitmasks (rows, words) on the device, ready to apply row by row or all at once."""
+
+    def __init__(self, masks: np.ndarray, vocab: int) -> None:
+        self.words = mx.array(masks)
+        # Off Metal, unpack once for all rows: each row is then a slice and a `where`.
+        self.allowed = None if _use_kernel() else unpack_masks(self.words, vocab)
+
+    def apply(self, logits: mx.array, row: int | None = None) -> mx.array:
+        """``logits`` (one row, or all rows) with the forbidden tokens at -inf."""
+        if self.allowed is None:
+            return apply_masks(logits, self.words if row is None else self.words[row : row + 1])
+        allowed = self.allowed if row is None else self.allowed[row : row + 1]
+        return mx.where(allowed, logits, -mx.inf)
+
+
+def _use_kernel() -> bool:
+    """llguidance's MLX kernel is a Metal kernel; CUDA and the CPU use plain ops."""
+    return mx.metal.is_available()
+
+
+def apply_masks(logits: mx.array, masks: mx.array) -> mx.array:
+    """``logits`` (rows, vocab) with the tokens each row's bitmask (rows, words) forbids set
+    to -inf; bits past the mask's width forbid."""
+    if _use_kernel():
+        from llguidance.mlx import apply_token_bitmask_kernel
+
+        return apply_token_bitmask_kernel(logits, masks)
+    return mx.where(unpack_masks(masks, logits.shape[-1]), logits, -mx.inf)
+
+
+def unpack_masks(masks: mx.array, vocab: int) -> mx.array:
+    """Bitmasks (rows, words) as booleans (rows, ``vocab``), with plain MLX ops."""
+    rows, words = masks.shape
+    # (Arrays are made here, not at import: MLX streams belong to the thread that runs it.)
+    shifts = mx.arange(32, dtype=mx.int32)
+    bits = ((masks[:, :, None] >> shifts) & 1).reshape(rows, words * 32).astype(mx.bool_)
+    if words * 32 >= vocab:
+        return bits[:, :vocab]
+    return mx.concatenate([bits, mx.zeros((rows, vocab - words * 32), dtype=mx.bool_)], axis=1)
+
+
+class ConstraintHook:
+    """Structured outputs as a batch logits hook keyed by job (the slot engine's
+    ``BatchLogitsHook``: ``admit``, ``process``, ``accept``, ``release``).
+
+    Call :meth:`check` when a job is added, to fail a bad constraint alone before it
+    decodes; :attr:`active` says whether any decoding job is constrained (an engine can
+    skip the hook, and keep its pipelining, when none is); :meth:`failures` lists jobs
+    whose matcher failed while decoding, for the engine to fail.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.batch = ConstraintBatch(Grammars(tokenizer, vocab_size))
+        self._eos = set(tokenizer.eos_token_ids)
+
+    @classmethod
+    def for_model(cls, model: Any, tokenizer: Any) -> ConstraintHook:
+        """A hook for this model's logits and tokenizer."""
+        return cls(tokenizer, logits_width(model, tokenizer))
+
+    @property
+    def active(self) -> bool:
+        return bool(self.batch.jobs) or bool(self.batch.failures)
+
+    def check(self, request: Any) -> str | None:
+        """Why this request's ``response_format`` cannot run here, or None (compiles it)."""
+        try:
+            self.batch.grammars.job(request.response_format)
+        except ConstraintError as e:
+            return str(e)
+        return None
+
+    def admit(self, key: str, request: Any) -> None:
+        """A job starts decoding; one whose constraint fails here (not checked at add) is
+        listed in :meth:`failures` and only allowed EOS, never left unconstrained."""
+        try:
+            job = self.batch.grammars.job(request.response_format)
+        except ConstraintError as e:
+            self.batch.failures[key] = str(e)
+            return
+        if job is not None:
+            self.batch.track(key, job)
+
+    def process(self, logits: mx.array, rows: list[str]) -> mx.array:
+        return self.batch.process(logits, rows) if self.active else logits
+
+    def accept(self, rows: list[str], tokens: list[int]) -> None:
+        if not self.batch.jobs:
+            return
+        live = [(r, t) for r, t in zip(rows, tokens, strict=True) if t not in self._eos]
+        self.batch.accept([r for r, _ in live], [t for _, t in live])  # (EOS: it ends)
+
+    def release(self, key: str) -> None:
+        self.batch.drop(key)
+
+    def failures(self) -> dict[str, str]:
+        """Jobs whose constraint failed (key -> why); they stay listed until released."""
+        return dict(self.batch.failures)  # type: ignore[arg-type]
