@@ -1,0 +1,29 @@
+"""Structured outputs on the slot engine: test_constraints' engine tests, unchanged, with
+this module's ``engine`` fixture (constraints ride the slot engine as a batch hook)."""
+
+from __future__ import annotations
+
+import pytest
+import test_constraints as base
+
+from mlxq.engine.slot_engine import SlotEngine
+
+
+@pytest.fixture
+def engine(tiny) -> SlotEngine:
+    return SlotEngine.from_loaded(*tiny, "tiny", max_batch=8)
+
+
+test_mixed_batch_free_rows_stay_greedy_and_constrained_rows_conform = (
+    base.test_mixed_batch_free_rows_stay_greedy_and_constrained_rows_conform
+)
+test_bounded_schemas_always_finish_even_sampled = (
+    base.test_bounded_schemas_always_finish_even_sampled
+)
+test_grammar_forbids_eos_until_complete = base.test_grammar_forbids_eos_until_complete
+test_a_constraint_that_fails_at_the_worker_fails_its_job_alone = (
+    base.test_a_constraint_that_fails_at_the_worker_fails_its_job_alone
+)
+test_logprobs_stop_strings_and_max_tokens_still_apply = (
+    base.test_logprobs_stop_strings_and_max_tokens_still_apply
+)
