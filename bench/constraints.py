@@ -96,13 +96,13 @@ def steps(c: Any) -> int:
 
 
 def bench_batch(model: Any, tokenizer: Any, batch: int, args: argparse.Namespace) -> dict:
-    from mlxq.engine.mlx_lm_batch import Engine
+    from mlxq.engine.factory import make_engine
     from mlxq.wire import JsonSchemaFormat, JsonSchemaSpec, Request
 
     fmt = JsonSchemaFormat(JsonSchemaSpec(schema=SCHEMA, name="review", strict=True))
     ps = prompts(tokenizer, batch * args.factor)
     sizes = {"max_batch": batch, "prefill_batch": args.prefill_batch}
-    constrained = Engine.from_loaded(model, tokenizer, "bench", **sizes)
+    constrained = make_engine(model, tokenizer, "bench", **sizes)
     json_jobs = [Request(prompt=p, max_tokens=args.max_tokens, response_format=fmt) for p in ps]
     run(constrained, json_jobs[:4])  # warm up: compile the schema, build the tokenizer
     _, first = run(constrained, json_jobs)
@@ -111,7 +111,7 @@ def bench_batch(model: Any, tokenizer: Any, batch: int, args: argparse.Namespace
 
     eos, tokenizer.eos_token_ids = tokenizer.eos_token_ids, []  # free jobs: exact lengths
     try:
-        free = Engine.from_loaded(model, tokenizer, "bench", **sizes)
+        free = make_engine(model, tokenizer, "bench", **sizes)
     finally:
         tokenizer.eos_token_ids = eos
     free_jobs = [Request(prompt=p, max_tokens=n) for p, n in zip(ps, lengths, strict=True)]
