@@ -64,6 +64,20 @@ def test_jobs_joining_mid_run_equal_single_requests(
         assert engine._cache.free_slots == max_batch  # every slot given back
 
 
+@pytest.mark.parametrize("overlap", ["1", "0"])
+def test_overlapped_steps_equal_single_requests(
+    tiny, monkeypatch: pytest.MonkeyPatch, overlap: str
+) -> None:
+    """Steps built while the last one runs (the CUDA default) give the same tokens."""
+    model, tokenizer = tiny
+    monkeypatch.setenv("MLXQ_SLOT_OVERLAP", overlap)
+    engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=4, prefill_batch=2)
+    assert engine.overlap is (overlap == "1")
+    done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, 2)
+    check_against_reference(tiny, engine, done)
+    assert engine._cache.free_slots == 4
+
+
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Any]]:
     from mlxq.engine.make_model import make_model

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +61,8 @@ from mlxq.engine.stats import EngineStats
 from mlxq.wire import FinishReason, Request, TokenLogprob
 
 log = logging.getLogger("mlxq.engine.slot_engine")
+
+OVERLAP_ENV = "MLXQ_SLOT_OVERLAP"
 # Joining jobs wait at most this many decode steps for their group to fill.
 # (Joining at once measured no better on the CPU, where a prefill call costs its tokens.)
 JOIN_WAIT_STEPS = 4
@@ -120,7 +123,17 @@ class SlotEngine:
         self.hooks = [*(hooks or []), self._constraints]
         self.attention, self._kernel = choose_kernel(backend_name(), attention)
         self.join_wait = JOIN_WAIT_STEPS
-        log.info("slot engine: %s decode attention, batch %d", self.attention, max_batch)
+        # Build the next step while the last one runs, although its cache writes then copy:
+        # 1.07-1.08x on CUDA (bench/RESULTS.md); on the CPU the copies cost 20x a step.
+        # MLXQ_SLOT_OVERLAP=1/0 overrides.
+        overlap = os.environ.get(OVERLAP_ENV, "1" if backend_name() == "cuda" else "0")
+        self.overlap = overlap == "1"
+        log.info(
+            "slot engine: %s decode attention, batch %d, steps overlapped: %s",
+            self.attention,
+            max_batch,
+            self.overlap,
+        )
         self._eos = set(tokenizer.eos_token_ids)
         self._cache = SlotCache(self.info.num_layers, max_batch)
         self._rows: dict[int, Row] = {}  # by slot
@@ -322,7 +335,7 @@ class SlotEngine:
             done += self._collect(self._inflight)
             self._inflight = None
         prev, rows, step = self._inflight, self._launchable(), None
-        if prev is not None:
+        if prev is not None and not self.overlap:
             # Wait for it (not for its bookkeeping): while a computation that reads the
             # cache is pending, the next step's writes would copy every layer's cache.
             mx.eval(prev.sampled, prev.logprobs)
