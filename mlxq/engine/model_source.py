@@ -17,18 +17,6 @@ from typing import Any
 
 from mlxq.errors import StartupError, one_line
 
-# What `mlx_lm.load` fetches from the hub (mlx_lm.utils.DEFAULT_ALLOW_PATTERNS, 0.32.x).
-ALLOW_PATTERNS = [
-    "*.json",
-    "model*.safetensors",
-    "*.py",
-    "tokenizer.model",
-    "*.tiktoken",
-    "tiktoken.model",
-    "*.txt",
-    "*.jsonl",
-    "*.jinja",
-]
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 DOWNLOAD_HINT = "download it first with `hf download {id}` (or `huggingface-cli download {id}`)"
 
@@ -74,10 +62,11 @@ def _download(repo_id: str) -> Path:
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS  # what `mlx_lm.load` fetches
 
     hint = DOWNLOAD_HINT.format(id=repo_id)
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=ALLOW_PATTERNS))
+        return Path(snapshot_download(repo_id, allow_patterns=DEFAULT_ALLOW_PATTERNS))
     except GatedRepoError as e:
         raise ModelError(
             f"model {repo_id} is gated on the Hugging Face hub: accept its terms on "

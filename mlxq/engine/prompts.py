@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlxq.errors import one_line
 from mlxq.wire import ModelInfo, Request
 
 # The key of the tiny generation an engine runs before its first real job.
@@ -20,7 +21,7 @@ class JobInputError(ValueError):
 
 def error_line(exc: BaseException) -> str:
     """An exception as one readable line, with a hint when memory ran out."""
-    line = " ".join(f"{type(exc).__name__}: {exc}".split())
+    line = one_line(exc)
     if "memory" in line.lower() or "alloc" in line.lower():
         return f"{line} (out of memory: lower max_batch or prefill_step, or send shorter jobs)"
     return line
