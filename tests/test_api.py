@@ -307,8 +307,9 @@ def _edit_record(conn, batch_id: str, **changes: Any) -> None:
 def test_work_left_by_a_dead_process_is_taken_over(client, conn):
     # Validation cut short (its lock is gone): the batch fails and its jobs are cancelled.
     stuck = create(client, upload(client, [completion_line("v", "Hi")]))
+    # The other server's sweeper may hold the lock at that moment: wait, do not read once.
     _edit_record(conn, stuck.id, status="validating", submitted=False)
-    stuck = client.batches.retrieve(stuck.id)
+    stuck = wait_final(client, stuck.id)
     assert stuck.status == "failed" and stuck.errors.data[0].code == "validation_interrupted"
     assert conn.llen(f"rq:queue:{MODEL}") == 0
     # Finalization cut short: the next reader finishes it (here with jobs never run).
@@ -316,7 +317,7 @@ def test_work_left_by_a_dead_process_is_taken_over(client, conn):
         client, upload(client, [completion_line("f1", "Hi"), completion_line("f2", "Ho")])
     )
     _edit_record(conn, left.id, status="finalizing")
-    left = client.batches.retrieve(left.id)
+    left = wait_final(client, left.id)
     assert left.status == "completed" and left.request_counts.failed == 2
     errors = read_jsonl(client, left.error_file_id)
     assert set(errors) == {"f1", "f2"}
