@@ -307,6 +307,8 @@ def run_mlxq(
     result.extra["worker_exit_s"] = exit_s
     result.extra["prefill_s"] = prefill_s
     result.extra["prefilled_tokens"] = end.prefilled_tokens - start.prefilled_tokens
+    for k in ("decode_seconds", "decode_steps", "launch_seconds"):  # host- or device-bound
+        result.extra[k] = getattr(end, k) - getattr(start, k)
     if prefix_cache_bytes:
         result.extra["prefix_cache_bytes"] = prefix_cache_bytes
         for k in ("prefix_hits", "reused_tokens", "stored_tokens", "prefix_evictions"):
@@ -373,6 +375,13 @@ def report(header: str, results: list[ModeResult], wl: Workload) -> str:
                 f"read results {e['read_s']:.2f} s (then the worker's exit, not counted: "
                 f"{e['worker_exit_s']:.2f} s)"
             )
+            if e.get("decode_steps"):  # the slot engine: where the worker's time went
+                notes.append(
+                    f"  {r.mode}: prefill {e['prefill_s']:.2f} s, {e['decode_steps']:,} decode "
+                    f"steps {e['decode_seconds']:.2f} s (building and launching them on the "
+                    f"host {e['launch_seconds']:.2f} s), the rest outside the engine "
+                    f"{e['worker_s'] - e['prefill_s'] - e['decode_seconds']:.2f} s"
+                )
     if (off := by_mode.get("mlxq")) and (on := by_mode.get("mlxq+prefix")):
         e = on.extra
         notes.append(

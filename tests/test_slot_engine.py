@@ -18,11 +18,13 @@ import test_engine as base
 from mlx_lm.utils import load_tokenizer
 from test_engine import REQUESTS, FlakyModel, check_against_reference, reference, run_all
 
+from mlxq.engine import slot_decode
 from mlxq.engine.attention import KERNELS, choose_kernel, fused_decode, gqa_decode
 from mlxq.engine.factory import make_engine
 from mlxq.engine.mlx_lm_batch import Engine
 from mlxq.engine.protocol import BatchEngine
 from mlxq.engine.sampling import EngineJob
+from mlxq.engine.slot_cache import span_groups
 from mlxq.engine.slot_engine import SlotEngine
 from mlxq.wire import Request
 
@@ -76,6 +78,27 @@ def test_overlapped_steps_equal_single_requests(
     done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, 2)
     check_against_reference(tiny, engine, done)
     assert engine._cache.free_slots == 4
+
+
+def test_span_groups_split_only_where_it_saves() -> None:
+    lengths = [10] * 4 + [200] * 4 + [205] * 4
+    # Always split: each run of four attends up to its own longest row (rounded to 32).
+    assert span_groups(lengths, 4, 0) == [(0, 4, 32), (4, 8, 224), (8, 12, 224)]
+    # The last two runs share a span: merging them costs nothing, so they merge.
+    assert span_groups(lengths, 4, 1) == [(0, 4, 32), (4, 12, 224)]
+    # Splitting off the short rows saves 4 x 192 row-positions: kept only below that.
+    assert span_groups(lengths, 4, 768) == [(0, 4, 32), (4, 12, 224)]
+    assert span_groups(lengths, 4, 769) == [(0, 12, 224)]
+
+
+def test_groups_of_slots_equal_single_requests(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows attending in groups of two, each over its own span, give the same tokens."""
+    model, tokenizer = tiny
+    monkeypatch.setattr(slot_decode, "GROUP_ROWS", 2)
+    monkeypatch.setenv(slot_decode.SPLIT_ENV, "0")
+    engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=8, prefill_batch=2)
+    done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, 1)
+    check_against_reference(tiny, engine, done)
 
 
 @pytest.fixture(scope="module")
@@ -275,6 +298,12 @@ def test_decode_kernels_agree_and_free_rows_stay_finite() -> None:
     assert mx.allclose(own[:4], fused, atol=1e-5).item()
     compiled = KERNELS["gqa-compiled"](q, k, v, dim**-0.5, mask)
     assert mx.allclose(compiled, own, atol=1e-6).item()
+    # In bfloat16 (the scores in the model's dtype, the softmax accumulated in float32).
+    q16, k16, v16 = (a.astype(mx.bfloat16) for a in (q, k, v))
+    own16 = gqa_decode(q16, k16, v16, dim**-0.5, mask)
+    assert own16.dtype == mx.bfloat16 and not mx.isnan(own16).any().item()
+    fused16 = fused_decode(q16[:4], k16[:4], v16[:4], dim**-0.5, mask[:4])
+    assert mx.allclose(own16[:4], fused16, atol=2e-2).item()
     assert choose_kernel("cuda")[0] == "gqa" and choose_kernel("metal")[0] == "fused"
     with pytest.raises(ValueError, match="gqa"):
         choose_kernel("cpu", "flash")

@@ -115,16 +115,43 @@ class DecodeState:
     write_at: tuple[mx.array, mx.array, mx.array] | None = None  # scatter indices, per step
 
     @classmethod
-    def make(cls, lengths: list[int], group_rows: int, kernel: Kernel) -> DecodeState:
-        """The state for rows of these lengths, grouped ``group_rows`` at a time."""
-        groups, masks = [], []
-        for start in range(0, len(lengths), group_rows):
-            end = min(start + group_rows, len(lengths))
-            span = -(-(max(lengths[start:end]) + 1) // SPAN_ROUND) * SPAN_ROUND
-            groups.append((start, end, span))
+    def make(
+        cls, lengths: list[int], group_rows: int, kernel: Kernel, min_saving: int = 0
+    ) -> DecodeState:
+        """The state for rows of these lengths, in groups of ``group_rows`` rows; adjacent
+        groups merge unless keeping them apart saves ``min_saving`` row-positions."""
+        groups = span_groups(lengths, group_rows, min_saving)
+        masks = []
+        for start, end, span in groups:
             valid = mx.array(lengths[start:end]) + 1
             masks.append((mx.arange(span)[None] < valid[:, None])[:, None, None, :])
         return cls(mx.array(lengths), groups, masks, kernel)
+
+
+def _span(lengths: list[int]) -> int:
+    return -(-(max(lengths) + 1) // SPAN_ROUND) * SPAN_ROUND
+
+
+def span_groups(lengths: list[int], group_rows: int, min_saving: int) -> list[tuple[int, int, int]]:
+    """``(start, end, span)`` runs of rows, each attending up to its own longest row.
+
+    Rows come in runs of ``group_rows``; a run joins the one before it when attending both
+    over the longer span costs fewer than ``min_saving`` extra row-positions: a group costs
+    kernel launches and host work of its own, which only long spans repay.
+    """
+    groups: list[tuple[int, int, int]] = []
+    for start in range(0, len(lengths), group_rows):
+        end = min(start + group_rows, len(lengths))
+        span = _span(lengths[start:end])
+        if groups:
+            s0, _, span0 = groups[-1]
+            wide = max(span0, span)
+            extra = (start - s0) * (wide - span0) + (end - start) * (wide - span)
+            if extra < min_saving:
+                groups[-1] = (s0, end, wide)
+                continue
+        groups.append((start, end, span))
+    return groups
 
 
 class SlotLayer:

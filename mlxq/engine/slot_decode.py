@@ -14,6 +14,7 @@ context; batch hooks advance matchers) are collected before the next one is laun
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,18 @@ from mlxq.engine.slot_cache import DecodeState, SlotCache, SlotLayer
 
 # Rows per attention group (each attends up to its own longest row).
 GROUP_ROWS = 64
+SPLIT_ENV = "MLXQ_SPLIT_BYTES"
+# Bytes of one layer's keys and values a group must save the step to be kept apart from
+# its neighbour: each group costs kernel launches and host work (a guess per backend, from
+# launch costs and memory bandwidth; MLXQ_SPLIT_BYTES overrides, 0 splits always).
+SPLIT_BYTES = {"cuda": 64 << 20, "metal": 8 << 20, "cpu": 1 << 20}
+
+
+def min_saving(backend: str, layer_bytes_per_position: int) -> int:
+    """Row-positions a group split must save on this backend (see :data:`SPLIT_BYTES`)."""
+    split = os.environ.get(SPLIT_ENV)
+    limit = int(split) if split is not None else SPLIT_BYTES.get(backend, 1 << 20)
+    return limit // max(1, layer_bytes_per_position)
 
 
 @dataclass(eq=False)
@@ -60,9 +73,11 @@ def launch(
     rows: list[Row],
     prev: Step | None,
     hooks: list[BatchLogitsHook],
+    saving: int = 0,
 ) -> Step:
     """Start one decode step of ``rows`` (slot order); inputs of rows in ``prev`` come from
-    its sampled tokens on the device. Advances each row's cache length by one."""
+    its sampled tokens on the device; ``saving``: see :func:`min_saving`. Advances each
+    row's cache length by one."""
     width = rows[-1].slot + 1
     by_slot: list[Row | None] = [None] * width
     for r in rows:
@@ -76,7 +91,7 @@ def launch(
         if any(carried):
             idx = mx.array([at[s] if c else 0 for s, c in enumerate(carried)])
             inputs = mx.where(mx.array(carried), prev.sampled[idx], inputs)
-    state = DecodeState.make(lengths, GROUP_ROWS, kernel)
+    state = DecodeState.make(lengths, GROUP_ROWS, kernel, saving)
     layers = [SlotLayer(cache, i, state) for i in range(cache.num_layers)]
     logits = model(inputs[:, None], cache=layers)[:, -1, :]
     for r in rows:

@@ -55,7 +55,7 @@ from mlxq.engine.sampling import (
     token_logprobs,
 )
 from mlxq.engine.slot_cache import SlotCache
-from mlxq.engine.slot_decode import Row, Step, launch
+from mlxq.engine.slot_decode import Row, Step, launch, min_saving
 from mlxq.engine.slot_prefill import prefill_group
 from mlxq.engine.stats import EngineStats
 from mlxq.wire import FinishReason, Request, TokenLogprob
@@ -128,6 +128,9 @@ class SlotEngine:
         # MLXQ_SLOT_OVERLAP=1/0 overrides.
         overlap = os.environ.get(OVERLAP_ENV, "1" if backend_name() == "cuda" else "0")
         self.overlap = overlap == "1"
+        self._saving = min_saving(
+            backend_name(), self.info.kv_bytes_per_token // self.info.num_layers
+        )
         log.info(
             "slot engine: %s decode attention, batch %d, steps overlapped: %s",
             self.attention,
@@ -340,10 +343,15 @@ class SlotEngine:
             # cache is pending, the next step's writes would copy every layer's cache.
             mx.eval(prev.sampled, prev.logprobs)
         if rows:
+            built = time.perf_counter()
             try:
-                step = launch(self.model, self._cache, self._kernel, rows, prev, self.hooks)
+                step = launch(
+                    self.model, self._cache, self._kernel, rows, prev, self.hooks, self._saving
+                )
             except Exception as exc:
                 return done + self._fail_batch(exc)
+            self._stats.launch_seconds += time.perf_counter() - built
+            self._stats.decode_steps += 1
         self._inflight = None if sync else step
         if prev is not None:
             done += self._collect(prev)

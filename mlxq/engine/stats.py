@@ -13,7 +13,9 @@ class EngineStats:
     ``prompt_tokens``: of admitted jobs; ``prefilled_tokens``: run through the model (not
     a prompt's last token, which the first decode step feeds, nor ``reused_tokens``, taken
     from the prefix cache). ``prefill_seconds`` includes copies to and from that cache;
-    ``prefix_cache_bytes`` is what it holds now.
+    ``prefix_cache_bytes`` is what it holds now. ``decode_steps`` and ``launch_seconds``
+    (the host building and launching them, within ``decode_seconds``) tell a host-bound
+    engine from a device-bound one; the ``BatchGenerator`` engine leaves them at 0.
     """
 
     prompt_tokens: int = 0
@@ -21,6 +23,8 @@ class EngineStats:
     prefill_seconds: float = 0.0
     generated_tokens: int = 0
     decode_seconds: float = 0.0
+    decode_steps: int = 0
+    launch_seconds: float = 0.0
     prefix_hits: int = 0
     reused_tokens: int = 0
     stored_tokens: int = 0
