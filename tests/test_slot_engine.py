@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx_lm
@@ -18,13 +18,13 @@ import test_engine as base
 from mlx_lm.utils import load_tokenizer
 from test_engine import REQUESTS, FlakyModel, check_against_reference, reference, run_all
 
-from mlxq.engine import slot_decode
+from mlxq.engine import slot_decode, slot_engine
 from mlxq.engine.attention import KERNELS, choose_kernel, fused_decode, gqa_decode
 from mlxq.engine.factory import make_engine
 from mlxq.engine.mlx_lm_batch import Engine
 from mlxq.engine.protocol import BatchEngine
 from mlxq.engine.sampling import EngineJob
-from mlxq.engine.slot_cache import span_groups
+from mlxq.engine.slot_cache import SlotCache, span_groups
 from mlxq.engine.slot_engine import SlotEngine
 from mlxq.wire import Request
 
@@ -99,6 +99,37 @@ def test_groups_of_slots_equal_single_requests(tiny, monkeypatch: pytest.MonkeyP
     engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=8, prefill_batch=2)
     done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, 1)
     check_against_reference(tiny, engine, done)
+
+
+class _GrowingCache(SlotCache):
+    """A slot cache that grows in steps of one span (32 positions) and records each size."""
+
+    sizes: ClassVar[list[int]] = []
+
+    def __init__(self, num_layers: int, slots: int) -> None:
+        super().__init__(num_layers, slots, step=1)
+
+    def reserve(self, tokens: int) -> None:
+        super().reserve(tokens)
+        if self.capacity not in self.sizes:
+            self.sizes.append(self.capacity)
+
+
+@pytest.mark.parametrize("compiled", ["1", "0"])
+def test_compiled_forward_equals_single_requests_as_the_cache_grows(
+    tiny, monkeypatch: pytest.MonkeyPatch, compiled: str
+) -> None:
+    """The compiled decode forward (the CUDA default) retraces as capacity grows, and
+    gives the same tokens as the eager one."""
+    model, tokenizer = tiny
+    monkeypatch.setenv(slot_decode.COMPILE_ENV, compiled)
+    monkeypatch.setattr(slot_engine, "SlotCache", _GrowingCache)
+    monkeypatch.setattr(_GrowingCache, "sizes", [])
+    engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=4, prefill_batch=2)
+    assert engine.compiled is (compiled == "1")
+    done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, 2)
+    check_against_reference(tiny, engine, done)
+    assert len(_GrowingCache.sizes) >= 3  # it grew while rows decoded
 
 
 @pytest.fixture(scope="module")

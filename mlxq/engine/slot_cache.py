@@ -35,6 +35,8 @@ class SlotCache:
     """Keys and values of every layer for ``slots`` rows; allocated at the first write."""
 
     def __init__(self, num_layers: int, slots: int, step: int = 256) -> None:
+        # Capacity in whole spans, so that no group's rounded span outgrows it.
+        step = -(-step // SPAN_ROUND) * SPAN_ROUND
         self.num_layers, self.slots, self.step = num_layers, slots, step
         self.keys: list[mx.array] = []
         self.values: list[mx.array] = []
@@ -89,8 +91,9 @@ class SlotCache:
         _, heads, _, k_dim = keys.shape
         shape_k = (self.slots, heads, self.capacity, k_dim)
         shape_v = (self.slots, heads, self.capacity, values.shape[3])
-        self.keys = [mx.zeros(shape_k, keys.dtype) for _ in range(self.num_layers)]
-        self.values = [mx.zeros(shape_v, values.dtype) for _ in range(self.num_layers)]
+        # In place: a compiled decode forward holds these lists as its state.
+        self.keys[:] = [mx.zeros(shape_k, keys.dtype) for _ in range(self.num_layers)]
+        self.values[:] = [mx.zeros(shape_v, values.dtype) for _ in range(self.num_layers)]
 
 
 def _grow(a: mx.array, capacity: int) -> mx.array:

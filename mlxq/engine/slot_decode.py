@@ -35,6 +35,44 @@ SPLIT_ENV = "MLXQ_SPLIT_BYTES"
 SPLIT_BYTES = {"cuda": 64 << 20, "metal": 8 << 20, "cpu": 1 << 20}
 
 
+COMPILE_ENV = "MLXQ_SLOT_COMPILE"
+
+
+def compile_default(backend: str) -> bool:
+    """Whether decode steps run the model through :class:`CompiledForward` (CUDA: the host
+    builds a step's graph in a fraction of the time; the CPU computes, and pays for the
+    whole-capacity span). ``MLXQ_SLOT_COMPILE=1/0`` overrides."""
+    return os.environ.get(COMPILE_ENV, "1" if backend == "cuda" else "0") == "1"
+
+
+class CompiledForward:
+    """The model's decode forward over every slot of a cache, through ``mx.compile``.
+
+    Traced once per cache shape (capacity grows in steps), replayed by MLX without Python
+    for every step in between: with fixed shapes (all slots, attention over the whole
+    capacity, each row masked to its length) the host's cost of a step falls from
+    building hundreds of ops to one call. The cache's arrays are the compiled function's
+    state, so its writes land in them as in the eager step.
+    """
+
+    def __init__(self, model: nn.Module, cache: SlotCache, kernel: Kernel) -> None:
+        self.cache = cache
+
+        def forward(tokens: mx.array, positions: mx.array) -> mx.array:
+            span = cache.keys[0].shape[2]
+            mask = (mx.arange(span)[None] <= positions[:, None])[:, None, None, :]
+            state = DecodeState(positions, [(0, cache.slots, span)], [mask], kernel)
+            layers = [SlotLayer(cache, i, state) for i in range(cache.num_layers)]
+            return model(tokens[:, None], cache=layers)[:, -1, :]
+
+        state = [cache.keys, cache.values]  # lists the cache mutates in place
+        self._fn = mx.compile(forward, inputs=state, outputs=state)
+
+    def __call__(self, tokens: mx.array, positions: mx.array) -> mx.array:
+        """Logits ``[slots, vocab]`` of one decode step; writes each row's new key/value."""
+        return self._fn(tokens, positions)
+
+
 def min_saving(backend: str, layer_bytes_per_position: int) -> int:
     """Row-positions a group split must save on this backend (see :data:`SPLIT_BYTES`)."""
     split = os.environ.get(SPLIT_ENV)
@@ -74,11 +112,12 @@ def launch(
     prev: Step | None,
     hooks: list[BatchLogitsHook],
     saving: int = 0,
+    forward: CompiledForward | None = None,
 ) -> Step:
     """Start one decode step of ``rows`` (slot order); inputs of rows in ``prev`` come from
-    its sampled tokens on the device; ``saving``: see :func:`min_saving`. Advances each
-    row's cache length by one."""
-    width = rows[-1].slot + 1
+    its sampled tokens on the device; ``saving``: see :func:`min_saving`; with ``forward``
+    the model runs compiled over every slot. Advances each row's cache length by one."""
+    width = cache.slots if forward is not None else rows[-1].slot + 1
     by_slot: list[Row | None] = [None] * width
     for r in rows:
         by_slot[r.slot] = r
@@ -91,9 +130,12 @@ def launch(
         if any(carried):
             idx = mx.array([at[s] if c else 0 for s, c in enumerate(carried)])
             inputs = mx.where(mx.array(carried), prev.sampled[idx], inputs)
-    state = DecodeState.make(lengths, GROUP_ROWS, kernel, saving)
-    layers = [SlotLayer(cache, i, state) for i in range(cache.num_layers)]
-    logits = model(inputs[:, None], cache=layers)[:, -1, :]
+    if forward is not None:
+        logits = forward(inputs, mx.array(lengths))
+    else:
+        state = DecodeState.make(lengths, GROUP_ROWS, kernel, saving)
+        layers = [SlotLayer(cache, i, state) for i in range(cache.num_layers)]
+        logits = model(inputs[:, None], cache=layers)[:, -1, :]
     for r in rows:
         cache.lengths[r.slot] += 1  # the input token is now in its cache
     if len(rows) < width:

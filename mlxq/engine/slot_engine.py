@@ -55,7 +55,14 @@ from mlxq.engine.sampling import (
     token_logprobs,
 )
 from mlxq.engine.slot_cache import SlotCache
-from mlxq.engine.slot_decode import Row, Step, launch, min_saving
+from mlxq.engine.slot_decode import (
+    CompiledForward,
+    Row,
+    Step,
+    compile_default,
+    launch,
+    min_saving,
+)
 from mlxq.engine.slot_prefill import prefill_group
 from mlxq.engine.stats import EngineStats
 from mlxq.wire import FinishReason, Request, TokenLogprob
@@ -131,14 +138,16 @@ class SlotEngine:
         self._saving = min_saving(
             backend_name(), self.info.kv_bytes_per_token // self.info.num_layers
         )
+        self.compiled = compile_default(backend_name())
         log.info(
-            "slot engine: %s decode attention, batch %d, steps overlapped: %s",
+            "slot engine: %s decode attention%s, batch %d, steps overlapped: %s",
             self.attention,
+            " (compiled forward)" if self.compiled else "",
             max_batch,
             self.overlap,
         )
         self._eos = set(tokenizer.eos_token_ids)
-        self._cache = SlotCache(self.info.num_layers, max_batch)
+        self._new_cache()
         self._rows: dict[int, Row] = {}  # by slot
         self._keys: dict[str, int] = {}  # job key -> slot
         self._waiting: list[_Waiting] = []
@@ -231,7 +240,13 @@ class SlotEngine:
         self._inflight = None
         if self._prefix is not None:
             self._prefix.clear()
+        self._new_cache()
+
+    def _new_cache(self) -> None:
         self._cache = SlotCache(self.info.num_layers, self.max_batch)
+        self._forward = (
+            CompiledForward(self.model, self._cache, self._kernel) if self.compiled else None
+        )
 
     # -- running --
 
@@ -346,7 +361,14 @@ class SlotEngine:
             built = time.perf_counter()
             try:
                 step = launch(
-                    self.model, self._cache, self._kernel, rows, prev, self.hooks, self._saving
+                    self.model,
+                    self._cache,
+                    self._kernel,
+                    rows,
+                    prev,
+                    self.hooks,
+                    self._saving,
+                    self._forward,
                 )
             except Exception as exc:
                 return done + self._fail_batch(exc)
@@ -446,6 +468,6 @@ class SlotEngine:
         error = f"generation failed for the whole batch: {error_line(exc)}"
         failed = [self._finish(slot, "error", error) for slot in list(self._rows)]
         self._inflight = None
-        self._cache = SlotCache(self.info.num_layers, self.max_batch)
+        self._new_cache()
         mx.clear_cache()
         return failed
