@@ -60,8 +60,9 @@ from mlxq.engine.slot_decode import (
     Row,
     Step,
     compile_default,
-    launch,
     min_saving,
+    run_forward,
+    sample_step,
 )
 from mlxq.engine.slot_prefill import prefill_group
 from mlxq.engine.stats import EngineStats
@@ -343,44 +344,53 @@ class SlotEngine:
 
     def _decode(self) -> list[Completion]:
         """Wait for the step in flight, launch the next, then do the bookkeeping of the one
-        before while the next computes (:mod:`mlxq.engine.slot_decode`); synchronous when
-        a row needs host tokens."""
+        before while the next computes (:mod:`mlxq.engine.slot_decode`). When a row needs
+        host tokens to sample (hooks that act, per-row processors), only the model's part
+        is launched before that bookkeeping, and sampling follows it."""
         tic, done = time.perf_counter(), []
         # Hooks that act need host tokens each step; an idle one (no constrained row) does not.
         hooks_act = any(getattr(h, "active", True) for h in self.hooks)
-        sync = hooks_act or any(r.processors for r in self._rows.values())
-        if sync and self._inflight is not None:
-            done += self._collect(self._inflight)
-            self._inflight = None
-        prev, rows, step = self._inflight, self._launchable(), None
+        prev, rows = self._inflight, self._launchable()
+        sync = hooks_act or any(r.processors for r in rows)
+        step, logits = None, None
         if prev is not None and not self.overlap:
             # Wait for it (not for its bookkeeping): while a computation that reads the
             # cache is pending, the next step's writes would copy every layer's cache.
             mx.eval(prev.sampled, prev.logprobs)
         if rows:
             built = time.perf_counter()
+            args = (self.model, self._cache, self._kernel, rows, prev)
             try:
-                step = launch(
-                    self.model,
-                    self._cache,
-                    self._kernel,
-                    rows,
-                    prev,
-                    self.hooks,
-                    self._saving,
-                    self._forward,
-                )
+                logits = run_forward(*args, self._saving, self._forward)
+                if sync:
+                    mx.async_eval(logits)
+                else:
+                    step = sample_step(rows, logits, self.hooks)
             except Exception as exc:
                 return done + self._fail_batch(exc)
             self._stats.launch_seconds += time.perf_counter() - built
             self._stats.decode_steps += 1
-        self._inflight = None if sync else step
+        self._inflight = step
         if prev is not None:
             done += self._collect(prev)
-        if sync and step is not None:
-            done += self._collect(step)
+        if sync and logits is not None:
+            done += self._sample_after(rows, logits)
         self._stats.decode_seconds += time.perf_counter() - tic
         return done
+
+    def _sample_after(self, rows: list[Row], logits: mx.array) -> list[Completion]:
+        """Sample a launched forward once the host has the step before's tokens (rows that
+        ended meanwhile are dropped)."""
+        live = [i for i, r in enumerate(rows) if self._rows.get(r.slot) is r]
+        if not live:
+            return []
+        if len(live) < len(rows):
+            rows, logits = [rows[i] for i in live], logits[mx.array(live)]
+        try:
+            self._inflight = sample_step(rows, logits, self.hooks)
+        except Exception as exc:
+            return self._fail_batch(exc)
+        return []
 
     def _launchable(self) -> list[Row]:
         """Rows to decode next, in slot order: all but those whose step in flight gives
