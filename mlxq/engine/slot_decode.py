@@ -2,7 +2,8 @@
 
 :func:`run_forward` and :func:`sample_step` build and start a step (``mx.async_eval``)
 without waiting for it; the engine does the previous step's bookkeeping (tokens to the
-host, stop strings, finishes) while this one computes, so the device does not idle meanwhile. The previous step must
+host, stop strings, finishes) while this one computes, so the device does not idle
+meanwhile. Except on CUDA (where overlapping measured faster), the previous step must
 have finished before the next one is built: a write into the cache while a computation
 that reads it is still pending copies the whole array (measured on the CPU: 320 ms a
 step instead of 17 for a 64-slot cache), so the engine waits for it first (a wait, not a
@@ -40,20 +41,21 @@ SPLIT_BYTES = {"cuda": 64 << 20, "metal": 8 << 20, "cpu": 1 << 20}
 COMPILE_ENV = "MLXQ_SLOT_COMPILE"
 
 
-def compile_default(backend: str) -> bool:
-    """Whether decode steps run the model through :class:`CompiledForward` (CUDA: the host
-    builds a step's graph in a fraction of the time; the CPU computes, and pays for the
-    whole-capacity span). ``MLXQ_SLOT_COMPILE=1/0`` overrides."""
-    return os.environ.get(COMPILE_ENV, "1" if backend == "cuda" else "0") == "1"
+def compile_default() -> bool:
+    """Whether decode steps run the model through :class:`CompiledForward`: off unless
+    ``MLXQ_SLOT_COMPILE=1``. On the H200 it did not cut the host's time per step (5.7
+    against 5.8 ms) and each new cache shape cost a long kernel compile (bench/RESULTS.md);
+    the CPU pays for its whole-capacity span; Metal is unmeasured."""
+    return os.environ.get(COMPILE_ENV, "0") == "1"
 
 
 class CompiledForward:
     """The model's decode forward over every slot of a cache, through ``mx.compile``.
 
     Traced once per cache shape (capacity grows in steps), replayed by MLX without Python
-    for every step in between: with fixed shapes (all slots, attention over the whole
-    capacity, each row masked to its length) the host's cost of a step falls from
-    building hundreds of ops to one call. The cache's arrays are the compiled function's
+    for every step in between: fixed shapes (all slots, attention over the whole capacity,
+    each row masked to its length) replace hundreds of Python op calls by one (2.4 against
+    5.7 ms to build a 1B step on this CPU). The cache's arrays are the compiled function's
     state, so its writes land in them as in the eager step.
     """
 

@@ -139,7 +139,7 @@ class SlotEngine:
         self._saving = min_saving(
             backend_name(), self.info.kv_bytes_per_token // self.info.num_layers
         )
-        self.compiled = compile_default(backend_name())
+        self.compiled = compile_default()
         log.info(
             "slot engine: %s decode attention%s, batch %d, steps overlapped: %s",
             self.attention,
