@@ -26,8 +26,9 @@ import mlx.nn as nn
 
 from mlxq.engine.attention import Kernel
 from mlxq.engine.protocol import BatchLogitsHook
-from mlxq.engine.sampling import RunningJob, Sampler
+from mlxq.engine.sampling import RunningJob, Sampler, token_logprobs
 from mlxq.engine.slot_cache import DecodeState, SlotCache, SlotLayer
+from mlxq.wire import TokenLogprob
 
 # Rows per attention group (each attends up to its own longest row).
 GROUP_ROWS = 64
@@ -106,6 +107,25 @@ class Step:
     def position(self) -> dict[int, int]:
         """Row index in this step by slot."""
         return {r.slot: i for i, r in enumerate(self.rows)}
+
+    def picked_logprobs(
+        self, tokens: list[int], live: list[tuple[int, Row]], eos: set[int]
+    ) -> dict[int, TokenLogprob]:
+        """Logprobs of the sampled ``tokens`` for the ``live`` rows (index, row) that asked
+        for them, EOS excepted, by row index."""
+        wanted = [
+            (i, n)
+            for i, r in live
+            if (n := r.run.job.request.logprobs) is not None and tokens[i] not in eos
+        ]
+        if not wanted:
+            return {}
+        picked = token_logprobs(
+            self.logprobs[mx.array([i for i, _ in wanted])],
+            [tokens[i] for i, _ in wanted],
+            [n for _, n in wanted],
+        )
+        return {i: lp for (i, _), lp in zip(wanted, picked, strict=True)}
 
 
 def run_forward(

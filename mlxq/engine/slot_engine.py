@@ -4,11 +4,10 @@ Same contract as the ``BatchGenerator`` engine (:class:`~mlxq.engine.protocol.Ba
 per-job samplers, seeds, repetition penalty, stop strings, logprobs, streaming, cancel,
 ``max_tokens``, EOS), without its whole-cache copies: every job owns a slot of
 :class:`~mlxq.engine.slot_cache.SlotCache`. A finished job frees its slot with no tensor
-work. Joining jobs wait until a group of them is worth a prefill call (hysteresis: at
-least ``join_group`` waiting, or nothing decoding, or waited ``JOIN_WAIT_STEPS`` steps),
-are prefilled as their own batch (:mod:`mlxq.engine.slot_prefill`; prompts within 2x of
-each other's length, so right-padding wastes little) and written into free slots; each
-decode step then feeds every row one token at its own position.
+work. Joining jobs wait until a group of them is worth a prefill call
+(:mod:`mlxq.engine.slot_joins`), are prefilled as their own batch
+(:mod:`mlxq.engine.slot_prefill`) and written into free slots; each decode step
+(:mod:`mlxq.engine.slot_decode`) then feeds every row one token at its own position.
 
 Per-step logits processing over the whole batch: ``hooks`` is a list of
 :class:`~mlxq.engine.protocol.BatchLogitsHook`. After the per-row processors
@@ -31,7 +30,6 @@ import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -43,7 +41,7 @@ from mlxq.engine.attention import choose_kernel
 from mlxq.engine.constraints import ConstraintHook
 from mlxq.engine.hardware import backend_name
 from mlxq.engine.model_facts import model_info
-from mlxq.engine.prefix_cache import Plan, make_prefix_cache
+from mlxq.engine.prefix_cache import make_prefix_cache
 from mlxq.engine.prompts import JobInputError, PromptEncoder, error_line
 from mlxq.engine.protocol import BatchLogitsHook, warm_up
 from mlxq.engine.sampling import (
@@ -52,7 +50,6 @@ from mlxq.engine.sampling import (
     RunningJob,
     StreamChunk,
     make_job_sampler,
-    token_logprobs,
 )
 from mlxq.engine.slot_cache import SlotCache
 from mlxq.engine.slot_decode import (
@@ -64,9 +61,10 @@ from mlxq.engine.slot_decode import (
     run_forward,
     sample_step,
 )
+from mlxq.engine.slot_joins import Waiting, join_due, pick_group
 from mlxq.engine.slot_prefill import prefill_group
 from mlxq.engine.stats import EngineStats
-from mlxq.wire import FinishReason, Request, TokenLogprob
+from mlxq.wire import FinishReason, Request
 
 log = logging.getLogger("mlxq.engine.slot_engine")
 
@@ -74,20 +72,6 @@ OVERLAP_ENV = "MLXQ_SLOT_OVERLAP"
 # Joining jobs wait at most this many decode steps for their group to fill.
 # (Joining at once measured no better on the CPU, where a prefill call costs its tokens.)
 JOIN_WAIT_STEPS = 4
-
-
-@dataclass
-class _Waiting:
-    run: RunningJob
-    plan: Plan | None = None
-    planned: bool = False
-    since_step: int = 0
-
-
-def _similar(n: int, base: int) -> bool:
-    """Whether prompts left to prefill of ``n`` and ``base`` tokens share a prefill call
-    (right-padded to the longer: within 2x, or 64 tokens, of each other)."""
-    return n <= 2 * base + 64 and base <= 2 * n + 64
 
 
 class SlotEngine:
@@ -151,7 +135,7 @@ class SlotEngine:
         self._new_cache()
         self._rows: dict[int, Row] = {}  # by slot
         self._keys: dict[str, int] = {}  # job key -> slot
-        self._waiting: list[_Waiting] = []
+        self._waiting: list[Waiting] = []
         self._chunks: list[StreamChunk] = []
         self._prefix = make_prefix_cache(model, self.info, prefix_cache_bytes)
         self._stats = EngineStats()
@@ -215,7 +199,7 @@ class SlotEngine:
         self._stats.prompt_tokens += len(tokens)
         if self._prefix is not None:
             self._prefix.observe(tokens)
-        self._waiting.append(_Waiting(run, since_step=self._steps))
+        self._waiting.append(Waiting(run, since_step=self._steps))
         return None
 
     def cancel(self, key: str) -> Completion | None:
@@ -266,39 +250,16 @@ class SlotEngine:
 
     def _join_due(self) -> bool:
         free = self._cache.free_slots
-        if not self._waiting or not free:
-            return False
-        if not self._rows or len(self._waiting) >= min(self.join_group, free):
-            return True
-        return self._steps - self._waiting[0].since_step >= self.join_wait
+        args = (len(self._rows), free, self.join_group, self._steps, self.join_wait)
+        return join_due(self._waiting, *args)
 
     def _join(self) -> list[Completion]:
         """Plan, prefill and seat the next group of waiting jobs (one prefill batch)."""
-        group: list[_Waiting] = []
-        key, base = None, 0
         limit = min(self.prefill_batch, self._cache.free_slots)
-        for w in self._waiting:
-            if len(group) >= limit:
-                break
-            if self._prefix is not None and not w.planned:
-                w.plan = self._prefix.plan(w.run.prompt)
-                if w.plan is None:
-                    continue  # its prefix is being computed by another job: wait
-                w.planned = True
-            leaf = w.plan.reused[-1] if w.plan is not None and w.plan.reused else None
-            n = len(w.run.prompt) - (w.plan.reused_tokens if w.plan is not None else 0)
-            if group and (leaf is not key or not _similar(n, base)):
-                continue  # another cached prefix, or padding it would waste: a later group
-            if not group:
-                key, base = leaf, n
-            group.append(w)
-        if not group:
-            return []
-        for w in group:
-            self._waiting.remove(w)
-        return self._prefill(group)
+        group = pick_group(self._waiting, limit, self._prefix)
+        return self._prefill(group) if group else []
 
-    def _prefill(self, group: list[_Waiting]) -> list[Completion]:
+    def _prefill(self, group: list[Waiting]) -> list[Completion]:
         slots = [self._cache.alloc() for _ in group]
         plan = group[0].plan
         reused = plan.reused_tokens if plan is not None else 0
@@ -325,13 +286,13 @@ class SlotEngine:
             self._seat(w, slot)
         return []
 
-    def _drop(self, w: _Waiting, slot: int, exc: Exception) -> Completion:
+    def _drop(self, w: Waiting, slot: int, exc: Exception) -> Completion:
         self._cache.free(slot)
         if w.plan is not None:
             w.plan.release()
         return w.run.completion("error", "", f"could not start the job: {error_line(exc)}")
 
-    def _seat(self, w: _Waiting, slot: int) -> None:
+    def _seat(self, w: Waiting, slot: int) -> None:
         req = w.run.job.request
         penalty = req.repetition_penalty
         processors = [] if penalty is None else make_logits_processors(repetition_penalty=penalty)
@@ -423,7 +384,7 @@ class SlotEngine:
         ]
         live = [(i, r) for i, r in live if self._rows.get(r.slot) is r]
         self._stats.generated_tokens += len(live)
-        lp = self._logprobs(step, tokens, live)
+        lp = step.picked_logprobs(tokens, live, self._eos)
         now = time.time()
         for i, row in live:
             token, run = tokens[i], row.run
@@ -444,23 +405,6 @@ class SlotEngine:
                 if run.job.request.stream:
                     run.stream_update(self.tokenizer, self._chunks)
         return done
-
-    def _logprobs(
-        self, step: Step, tokens: list[int], live: list[tuple[int, Row]]
-    ) -> dict[int, TokenLogprob]:
-        """Logprobs of the step's rows that asked for them (not for EOS), by row index."""
-        wanted = [
-            (i, n)
-            for i, r in live
-            if (n := r.run.job.request.logprobs) is not None and tokens[i] not in self._eos
-        ]
-        if not wanted:
-            return {}
-        rows = mx.array([i for i, _ in wanted])
-        picked = token_logprobs(
-            step.logprobs[rows], [tokens[i] for i, _ in wanted], [n for _, n in wanted]
-        )
-        return {i: lp for (i, _), lp in zip(wanted, picked, strict=True)}
 
     def _finish(self, slot: int, reason: FinishReason, error: str | None = None) -> Completion:
         row = self._rows.pop(slot)

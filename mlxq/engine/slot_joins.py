@@ -1,0 +1,72 @@
+"""When waiting jobs join the slot engine's batch, and which of them prefill together.
+
+Plain Python (no MLX): the slot engine hands in its waiting list and counts.
+
+- :func:`join_due`: a group joins when it is worth a prefill call while others decode
+  (hysteresis): at least ``join_group`` waiting (or as many as there are free slots),
+  nothing decoding, or the oldest has waited ``join_wait`` decode steps.
+- :func:`pick_group`: up to ``limit`` waiting jobs in arrival order that share one
+  prefill call: the same cached prefix (if any) and prompts left to prefill within 2x
+  (or 64 tokens) of the first one's, so right-padding wastes little.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlxq.engine.prefix_cache import Plan
+    from mlxq.engine.sampling import RunningJob
+
+
+@dataclass
+class Waiting:
+    """A job admitted to the engine and not yet prefilled."""
+
+    run: RunningJob
+    plan: Plan | None = None  # its prefix-cache plan, once made
+    planned: bool = False
+    since_step: int = 0  # the engine's step count when it arrived
+
+
+def similar(n: int, base: int) -> bool:
+    """Whether prompts left to prefill of ``n`` and ``base`` tokens share a prefill call
+    (right-padded to the longer: within 2x, or 64 tokens, of each other)."""
+    return n <= 2 * base + 64 and base <= 2 * n + 64
+
+
+def join_due(
+    waiting: list[Waiting], decoding: int, free: int, join_group: int, step: int, wait: int
+) -> bool:
+    """Whether the next group of ``waiting`` jobs should be prefilled at decode step ``step``."""
+    if not waiting or not free:
+        return False
+    if not decoding or len(waiting) >= min(join_group, free):
+        return True
+    return step - waiting[0].since_step >= wait
+
+
+def pick_group(waiting: list[Waiting], limit: int, prefix: Any | None) -> list[Waiting]:
+    """The next prefill group, taken out of ``waiting``; ``prefix`` is the engine's prefix
+    cache (its ``plan(prompt)`` says which stored prefix a job reuses), or None."""
+    group: list[Waiting] = []
+    key, base = None, 0
+    for w in waiting:
+        if len(group) >= limit:
+            break
+        if prefix is not None and not w.planned:
+            w.plan = prefix.plan(w.run.prompt)
+            if w.plan is None:
+                continue  # its prefix is being computed by another job: wait
+            w.planned = True
+        leaf = w.plan.reused[-1] if w.plan is not None and w.plan.reused else None
+        n = len(w.run.prompt) - (w.plan.reused_tokens if w.plan is not None else 0)
+        if group and (leaf is not key or not similar(n, base)):
+            continue  # another cached prefix, or padding it would waste: a later group
+        if not group:
+            key, base = leaf, n
+        group.append(w)
+    for w in group:
+        waiting.remove(w)
+    return group

@@ -1,0 +1,66 @@
+"""The slot engine's join policy alone: plain Python, no model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mlxq.engine.slot_joins import Waiting, join_due, pick_group, similar
+
+
+@dataclass
+class _Run:
+    prompt: list[int]
+
+
+@dataclass
+class _Plan:
+    reused: list[str]
+    reused_tokens: int
+
+
+@dataclass
+class _Prefix:
+    """Plans by prompt length: a stored prefix for long prompts, one still being computed
+    (no plan yet) for prompts of length 13."""
+
+    asked: list[int] = field(default_factory=list)
+
+    def plan(self, prompt: list[int]) -> _Plan | None:
+        self.asked.append(len(prompt))
+        if len(prompt) == 13:
+            return None
+        return _Plan(["sys"], 100) if len(prompt) > 100 else _Plan([], 0)
+
+
+def _waiting(*lengths: int, since: int = 0) -> list[Waiting]:
+    return [Waiting(_Run([1] * n), since_step=since) for n in lengths]  # type: ignore[arg-type]
+
+
+def test_join_due_is_hysteresis() -> None:
+    w = _waiting(10, 10)
+    assert not join_due([], decoding=0, free=4, join_group=4, step=0, wait=4)
+    assert not join_due(w, decoding=3, free=0, join_group=4, step=9, wait=4)  # no free slot
+    assert join_due(w, decoding=0, free=4, join_group=4, step=0, wait=4)  # nothing decoding
+    assert not join_due(w, decoding=3, free=4, join_group=4, step=3, wait=4)  # a small group
+    assert join_due(w, decoding=3, free=2, join_group=4, step=3, wait=4)  # fills the slots
+    assert join_due(w, decoding=3, free=4, join_group=4, step=4, wait=4)  # waited long enough
+
+
+def test_pick_group_takes_similar_prompts_in_order() -> None:
+    assert similar(100, 200) and similar(10, 70) and not similar(10, 300)
+    w = _waiting(100, 400, 150, 90, 60)
+    group = pick_group(w, limit=3, prefix=None)
+    assert [len(g.run.prompt) for g in group] == [100, 150, 90]
+    assert [len(x.run.prompt) for x in w] == [400, 60]  # left for later groups
+
+
+def test_pick_group_keeps_one_cached_prefix_per_group() -> None:
+    prefix = _Prefix()
+    w = _waiting(150, 20, 13, 160, 30)
+    group = pick_group(w, limit=8, prefix=prefix)
+    # 150 and 160 reuse the stored prefix (50 and 60 tokens left); 13 has no plan yet.
+    assert [len(g.run.prompt) for g in group] == [150, 160]
+    assert all(g.planned for g in group)
+    assert [len(x.run.prompt) for x in w] == [20, 13, 30]
+    assert [len(x.run.prompt) for x in pick_group(w, 8, prefix)] == [20, 30]
+    assert prefix.asked.count(150) == 1  # a plan is made once
