@@ -1,10 +1,10 @@
 """Scale: what a 100,000-job batch costs Redis and the commands that read it.
 
 Submits a big and a small batch to an embedded Valkey, ends every job of both with a
-realistic Result (written as a worker writes it: ``rq_store.end_job``, no model needed),
-then measures side by side: ``batch_status`` (counters) against counting job by job,
-``mlxq results`` (a real process writing JSONL) for both sizes, with its peak RSS, and
-Redis memory per queued and per finished job (for README's sizing section).
+realistic Result (written as a worker writes it: ``rq_store.transitions.end_job``, no
+model needed), then measures side by side: ``batch_status`` (counters) against counting
+job by job, ``mlxq results`` (a real process writing JSONL) for both sizes, with its peak
+RSS, and Redis memory per queued and per finished job (for README's sizing section).
 
     python bench/scale.py --jobs 100000 --small 10000
 """
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rq.job import Job
 
 from mlxq.broker import batches as q
-from mlxq.broker import rq_store
+from mlxq.broker.rq_store import transitions
 from mlxq.broker.serializer import serializer
 from mlxq.server import embedded
 from mlxq.wire import Request, Result, Timing, Usage
@@ -66,7 +66,7 @@ def finish_all(conn, batch_id: str) -> None:
                     index=job.meta.get("index"),
                     timing=Timing(started_at=time.time(), finished_at=time.time()),
                 )
-                rq_store.end_job(pipe, job, q.make_queue(conn, job.origin), result)
+                transitions.end_job(pipe, job, q.make_queue(conn, job.origin), result)
             pipe.execute()
 
 

@@ -1,6 +1,6 @@
 """Batch counters against a real Valkey and a real worker: exact through retries, cancels,
 expiry and `mlxq retry`, and equal to the jobs counted one by one. Every ended job carries
-one full Result. Only ``rq_store`` names RQ's keys."""
+one full Result. Only the ``rq_store`` package names RQ's keys."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 
 from mlxq.broker import batches as q
-from mlxq.broker import rq_store
+from mlxq.broker.rq_store import rq_keys, states
+from mlxq.broker.rq_store.counters import read_counts
 from mlxq.wire import Request
 from mlxq.worker.launch import run_worker
 from mlxq.worker.profile import WorkerProfile
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mlxq"
+RQ_STORE = PACKAGE / "broker" / "rq_store"
 
 
 @pytest.fixture
@@ -24,14 +26,14 @@ def profile(tiny_model) -> WorkerProfile:
 
 
 def counters(conn, batch_id: str) -> dict[str, int]:
-    return rq_store.read_counts(conn.hgetall(f"mlxq:batch:{batch_id}:counts"))
+    return read_counts(conn.hgetall(f"mlxq:batch:{batch_id}:counts"))
 
 
 def test_only_rq_store_spells_rq_keys():
     spelled = [
         str(p.relative_to(PACKAGE))
         for p in PACKAGE.rglob("*.py")
-        if p.name != "rq_store.py" and "rq:" in p.read_text()
+        if RQ_STORE not in p.parents and "rq:" in p.read_text()
     ]
     assert spelled == []
 
@@ -43,7 +45,7 @@ def test_retries_failures_and_retry_keep_counts_exact(conn, profile):
     ]
     info = q.submit(conn, reqs, queue="cnt", retries=2)
     run_worker(profile, conn, burst=True, queues=["cnt"])
-    want = dict.fromkeys(rq_store.BUCKETS, 0) | {"finished": 1, "failed": 1}
+    want = dict.fromkeys(states.BUCKETS, 0) | {"finished": 1, "failed": 1}
     assert counters(conn, info.batch_id) == q.count_jobs(conn, info.batch_id) == want
     ok, bad = q.iter_batch_results(conn, info.batch_id)
     # A failure stores the same full Result as a success: who ran it, when, and why.
@@ -67,7 +69,7 @@ def test_cancelled_and_expired_jobs_count_and_store_full_results(conn, profile):
     results = list(q.iter_batch_results(conn, cancelled.batch_id))
     assert [r.custom_id for r in results] == [f"c{i}" for i in range(5)]
     assert all(r.finish_reason == "cancelled" and r.timing.enqueued_at for r in results)
-    assert conn.llen(rq_store.queue_key("default")) == 0
+    assert conn.llen(rq_keys.queue_key("default")) == 0
 
     reqs = [Request(prompt=f"e{i}", max_tokens=3) for i in range(3)]
     expired = q.submit(conn, reqs, queue="exp", expires_in=1)
@@ -82,7 +84,7 @@ def test_status_is_read_from_counters_not_jobs(conn):
     info = q.submit(conn, [Request(prompt=f"p{i}") for i in range(2500)], queue="big")
     # Counters, not the jobs, are what status reads: a job's hash deleted behind mlxq's
     # back does not change it (counting job by job would call it expired).
-    conn.delete(rq_store.job_key(q.batch_job_ids(conn, info.batch_id)[0]))
+    conn.delete(rq_keys.job_key(q.batch_job_ids(conn, info.batch_id)[0]))
     s = q.batch_status(conn, info.batch_id)
     assert (s.total, s.queued, s.enqueued, s.state) == (2500, 2500, 2500, "submitted")
     assert q.count_jobs(conn, info.batch_id)["expired"] == 1

@@ -11,7 +11,8 @@ from rq import Queue
 from rq.job import Job
 
 from mlxq.broker import batches as q
-from mlxq.broker import keys, rq_store
+from mlxq.broker import keys
+from mlxq.broker.rq_store import counters, rq_keys, states
 from mlxq.broker.serializer import serializer
 from mlxq.wire import Request, Result
 
@@ -46,8 +47,8 @@ def test_job_data_in_redis_is_json_not_pickle(conn):
 def _set_state(conn, job_id: str, batch_id: str, status: str) -> None:
     """A job's RQ status changed as every mlxq transition does: with its batch counter."""
     with conn.pipeline() as pipe:
-        rq_store.move(pipe, job_id, batch_id, rq_store.BUCKET_OF_STATUS[status])
-        pipe.hset(rq_store.job_key(job_id), "status", status)
+        counters.move(pipe, job_id, batch_id, states.BUCKET_OF_STATUS[status])
+        pipe.hset(rq_keys.job_key(job_id), "status", status)
         pipe.execute()
 
 

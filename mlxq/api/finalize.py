@@ -26,7 +26,7 @@ from mlxq.api.objects import (
     output_file_id,
 )
 from mlxq.broker import batches as q
-from mlxq.broker import rq_store
+from mlxq.broker.rq_store import reads
 from mlxq.formats.openai_output import (
     ERROR_MESSAGES,
     error_line,
@@ -98,7 +98,7 @@ def build_files(conn: redis.Redis, state: BatchState) -> Outcome:
     job_ids = q.batch_job_ids(conn, state.mlxq_batch_id)
     results = q.fetch_results(conn, job_ids)
     missing = [jid for jid, r in zip(job_ids, results, strict=True) if r is None]
-    metas = rq_store.job_metas(conn, missing)
+    metas = reads.job_metas(conn, missing)
     custom_ids = {jid: m.custom_id for jid, m in zip(missing, metas, strict=True)}
     stopped_code = "batch_expired" if state.ending == "expired" else "batch_cancelled"
     outcome = Outcome(counts=RequestCounts(total=len(job_ids)))

@@ -15,11 +15,12 @@ import msgspec
 import redis
 from rq import Queue
 
-from mlxq.broker import keys, rq_store
+from mlxq.broker import keys
+from mlxq.broker.rq_store import cancel_retry, counters, reads, states
 from mlxq.broker.serializer import serializer
 from mlxq.wire import BatchInfo, BatchStatus, Result, json_encoder
 
-CHUNK = rq_store.CHUNK
+CHUNK = reads.CHUNK
 
 _batch_info_decoder = msgspec.json.Decoder(BatchInfo)
 
@@ -75,7 +76,7 @@ def iter_job_id_chunks(conn: redis.Redis, batch_id: str) -> Iterator[list[str]]:
 
 def job_states(conn: redis.Redis, job_ids: Sequence[str]) -> list[str]:
     """RQ status of each job (``expired`` when its hash is gone)."""
-    return rq_store.job_states(conn, job_ids)
+    return reads.job_states(conn, job_ids)
 
 
 def batch_status(conn: redis.Redis, batch_id: str) -> BatchStatus:
@@ -89,7 +90,7 @@ def batch_status(conn: redis.Redis, batch_id: str) -> BatchStatus:
     if raw is None:
         get_batch(conn, batch_id)  # raises BatchNotFound
     info = _batch_info_decoder.decode(raw)
-    c = rq_store.read_counts(counts) if counts or not enqueued else count_jobs(conn, batch_id)
+    c = counters.read_counts(counts) if counts or not enqueued else count_jobs(conn, batch_id)
     return BatchStatus(
         batch_id=batch_id,
         total=info.total,
@@ -107,10 +108,10 @@ def batch_status(conn: redis.Redis, batch_id: str) -> BatchStatus:
 
 def count_jobs(conn: redis.Redis, batch_id: str) -> dict[str, int]:
     """A batch's counts read job by job (batches made before counters were kept)."""
-    counts = dict.fromkeys(rq_store.BUCKETS, 0)
+    counts = dict.fromkeys(states.BUCKETS, 0)
     for ids in iter_job_id_chunks(conn, batch_id):
-        for state in rq_store.job_states(conn, ids):
-            counts[rq_store.BUCKET_OF_STATUS.get(state, "failed")] += 1
+        for state in reads.job_states(conn, ids):
+            counts[states.BUCKET_OF_STATUS.get(state, "failed")] += 1
     return counts
 
 
@@ -118,7 +119,7 @@ def fetch_results(conn: redis.Redis, job_ids: Sequence[str]) -> list[Result | No
     """The result of each job, or None while it has none yet (queued or running)."""
     out: list[Result | None] = []
     for start in range(0, len(job_ids), CHUNK):
-        out.extend(rq_store.read_results(conn, job_ids[start : start + CHUNK]))
+        out.extend(reads.read_results(conn, job_ids[start : start + CHUNK]))
     return out
 
 
@@ -127,7 +128,7 @@ def iter_batch_results(conn: redis.Redis, batch_id: str) -> Iterator[Result | No
     of ids and results in memory at a time."""
     get_batch(conn, batch_id)
     for ids in iter_job_id_chunks(conn, batch_id):
-        yield from rq_store.read_results(conn, ids)
+        yield from reads.read_results(conn, ids)
 
 
 def wait_for_batch(
@@ -172,7 +173,7 @@ def cancel_jobs(conn: redis.Redis, job_ids: Sequence[str]) -> tuple[int, int]:
     """Cancel jobs: waiting ones leave their queue at once (their results say cancelled),
     running ones are flagged and stopped by their worker at its next check. Returns
     (dequeued, flagged)."""
-    dequeued = rq_store.cancel_waiting(conn, job_ids)
+    dequeued = cancel_retry.cancel_waiting(conn, job_ids)
     running = [j for j, s in zip(job_ids, job_states(conn, job_ids), strict=True) if s == "started"]
     with conn.pipeline(transaction=False) as pipe:
         for jid in running:
@@ -191,7 +192,7 @@ def cancel_batch(conn: redis.Redis, batch_id: str, stop_running: bool = True) ->
         if stop_running:
             d, f = cancel_jobs(conn, ids)
         else:
-            d, f = rq_store.cancel_waiting(conn, ids), 0
+            d, f = cancel_retry.cancel_waiting(conn, ids), 0
         dequeued, flagged = dequeued + d, flagged + f
     return dequeued, flagged
 
@@ -217,7 +218,7 @@ def _mark_cancelled(conn: redis.Redis, batch_id: str) -> None:
 
 def retry_failed(conn: redis.Redis, job_ids: Sequence[str]) -> int:
     """Put the failed jobs among ``job_ids`` back on their queues; returns how many."""
-    return rq_store.retry_failed(conn, job_ids)
+    return cancel_retry.retry_failed(conn, job_ids)
 
 
 # Submitting lives in its own module; its entry points are part of this one's API.

@@ -18,7 +18,8 @@ import msgspec
 import redis
 from rq.utils import utcparse
 
-from mlxq.broker import keys, rq_store
+from mlxq.broker import keys
+from mlxq.broker.rq_store import rq_keys
 from mlxq.wire import QueueInfo, WorkerInfo, json_encoder
 
 # How many jobs at the head of a queue are looked at to find its oldest one: jobs are
@@ -88,7 +89,7 @@ def live_workers(conn: redis.Redis) -> list[WorkerInfo]:
 # -- queues ----------------------------------------------------------------------------
 def queue_names(conn: redis.Redis) -> list[str]:
     """Names of every RQ queue that has ever been enqueued to (RQ's set of queues)."""
-    names = [rq_store.queue_name_of(raw.decode()) for raw in conn.smembers(rq_store.QUEUES_SET)]
+    names = [rq_keys.queue_name_of(raw.decode()) for raw in conn.smembers(rq_keys.QUEUES_SET)]
     return sorted(n for n in names if n is not None)
 
 
@@ -104,17 +105,17 @@ def queue_overview(conn: redis.Redis, now: float | None = None) -> list[QueueInf
     now = time.time() if now is None else now
     with conn.pipeline(transaction=False) as pipe:
         for name in names:
-            pipe.llen(rq_store.queue_key(name))
-            for registry in rq_store.registry_keys(name):
+            pipe.llen(rq_keys.queue_key(name))
+            for registry in rq_keys.registry_keys(name):
                 pipe.zcard(registry)
-            pipe.lrange(rq_store.queue_key(name), 0, OLDEST_SCAN - 1)
+            pipe.lrange(rq_keys.queue_key(name), 0, OLDEST_SCAN - 1)
         replies = pipe.execute()
     rows = [replies[i : i + 5] for i in range(0, len(replies), 5)]
     heads = [[j.decode() for j in row[4]] for row in rows]
     with conn.pipeline(transaction=False) as pipe:
         for ids in heads:
             for job_id in ids:
-                pipe.hget(rq_store.job_key(job_id), "enqueued_at")
+                pipe.hget(rq_keys.job_key(job_id), "enqueued_at")
         stamps = iter(pipe.execute())
     serving: dict[str, int] = {}
     for worker in live_workers(conn):

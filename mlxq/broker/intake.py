@@ -13,7 +13,8 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.worker import BaseWorker, WorkerStatus
 
-from mlxq.broker import keys, rq_store
+from mlxq.broker import keys
+from mlxq.broker.rq_store import internals, transitions
 from mlxq.wire import Request
 
 
@@ -28,7 +29,7 @@ def dequeue_many(worker: BaseWorker, n: int) -> list[tuple[Job, Queue]]:
     registered, so a crash in between loses nothing.
     """
     out: list[tuple[Job, Queue]] = []
-    for queue in rq_store.ordered_queues(worker):
+    for queue in internals.ordered_queues(worker):
         if len(out) >= n:
             break
         with worker.connection.pipeline(transaction=False) as pipe:
@@ -50,7 +51,7 @@ def register(worker: BaseWorker, group: list[tuple[Job, Queue]]) -> list[Executi
     """Register jobs as this worker's RQ executions (status ``started``), in one round trip."""
     with worker.connection.pipeline() as pipe:
         worker.set_state(WorkerStatus.BUSY, pipeline=pipe)
-        executions = rq_store.start_jobs(pipe, worker, group)
+        executions = transitions.start_jobs(pipe, worker, group)
         worker.heartbeat(worker.job_monitoring_interval + 60, pipeline=pipe)
         pipe.execute()
     return executions

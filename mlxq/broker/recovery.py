@@ -16,7 +16,8 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.utils import current_timestamp, parse_composite_key
 
-from mlxq.broker import keys, rq_store
+from mlxq.broker import keys
+from mlxq.broker.rq_store import reads, rq_keys, transitions
 from mlxq.wire import Result
 
 log = logging.getLogger("mlxq.broker.recovery")
@@ -46,7 +47,7 @@ def _requeue_one(
     queue: Queue, registry_key: str, member: str, job_id: str, execution_id: str, limit: int
 ) -> bool:
     conn = queue.connection
-    job_key = rq_store.job_key(job_id)
+    job_key = rq_keys.job_key(job_id)
     with conn.pipeline() as pipe:
         try:
             pipe.watch(job_key, registry_key)
@@ -58,14 +59,14 @@ def _requeue_one(
                 return False
             tries = int(pipe.get(abandons_key(job_id)) or 0) + 1
             failed = _failure(queue, job_id, tries) if tries > limit else None
-            batch_id = rq_store.batch_id_of(pipe, job_id)
+            batch_id = reads.batch_id_of(pipe, job_id)
             pipe.multi()
-            rq_store.drop_execution(pipe, registry_key, member, job_id, execution_id)
+            transitions.drop_execution(pipe, registry_key, member, job_id, execution_id)
             pipe.set(abandons_key(job_id), tries, ex=keys.BATCH_TTL)
             if failed is not None:
-                rq_store.end_job(pipe, failed[0], queue, failed[1])
+                transitions.end_job(pipe, failed[0], queue, failed[1])
             else:
-                rq_store.requeue_abandoned_one(pipe, queue, job_id, batch_id)
+                transitions.requeue_abandoned_one(pipe, queue, job_id, batch_id)
             pipe.execute()
         except redis.WatchError:
             return False  # someone else (the worker itself, or another sweeper) got there first
@@ -85,4 +86,4 @@ def _failure(queue: Queue, job_id: str, tries: int) -> tuple[Job, Result]:
         f"abandoned {tries} times by workers that died while running it (killed, crashed or "
         "out of memory); not retried again. Check the workers' logs and the request's size"
     )
-    return job, rq_store.result_without_output(job, "error", message, worker=job.worker_name)
+    return job, transitions.result_without_output(job, "error", message, worker=job.worker_name)

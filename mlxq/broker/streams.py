@@ -14,7 +14,8 @@ from typing import Any
 import msgspec
 import redis
 
-from mlxq.broker import keys, rq_store
+from mlxq.broker import keys
+from mlxq.broker.rq_store import reads, states
 from mlxq.engine.sampling import Completion, StreamChunk
 from mlxq.wire import StreamEntry, json_encoder
 
@@ -63,6 +64,6 @@ def follow(conn: redis.Redis, job_id: str, block_ms: int = 1000) -> Iterator[Str
 
 def _finished_without_stream(conn: redis.Redis, job_id: str) -> bool:
     """A job that is done (or gone) and left no end marker will never stream more."""
-    status = rq_store.job_status(conn, job_id)
-    done = status == rq_store.GONE or status in rq_store.ENDED
+    status = reads.job_status(conn, job_id)
+    done = status == states.GONE or status in states.ENDED
     return done and not conn.exists(keys.stream(job_id))

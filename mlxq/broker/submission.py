@@ -20,8 +20,9 @@ import msgspec
 import redis
 from rq import Queue, Retry
 
-from mlxq.broker import keys, rq_store
+from mlxq.broker import keys
 from mlxq.broker.batches import CHUNK, _batch_info_decoder, get_batch, make_queue, new_batch_id
+from mlxq.broker.rq_store import counters
 from mlxq.wire import BatchInfo, JobMeta, Request, json_encoder
 
 
@@ -168,7 +169,7 @@ def _enqueue_chunk(conn: redis.Redis, q: Queue, batch_id: str, datas: list) -> l
                 ids = [j.id for j in jobs]
                 pipe.rpush(keys.batch_jobs(batch_id), *ids)
                 pipe.expire(keys.batch_jobs(batch_id), keys.BATCH_TTL)
-                rq_store.mark_submitted(pipe, ids, batch_id)
+                counters.mark_submitted(pipe, ids, batch_id)
                 pipe.expire(keys.batch_submitter(batch_id), SUBMITTER_TTL)
                 pipe.execute()
                 return ids

@@ -14,7 +14,8 @@ import click
 import redis
 
 from mlxq.broker import batches as q
-from mlxq.broker import fleet, keys, rq_store
+from mlxq.broker import fleet, keys
+from mlxq.broker.rq_store import reads
 from mlxq.cli.fleet import print_queue_overview
 from mlxq.cli.support import connect, fail, redis_option
 from mlxq.cli.tables import emit_table, input_options
@@ -416,7 +417,7 @@ def _is_batch(conn: redis.Redis, target: str) -> bool:
         q.get_batch(conn, target)
         return True
     except q.BatchNotFound:
-        if rq_store.job_exists(conn, target):
+        if reads.job_exists(conn, target):
             return False
     fail(f"no batch or job {target!r} on this Redis (check the id and --redis-url)")
 
@@ -467,7 +468,7 @@ def tail(job_id: str, as_json: bool, redis_url: str) -> None:
     from mlxq.broker import streams
 
     conn = connect(redis_url)
-    if not rq_store.job_exists(conn, job_id) and not conn.exists(keys.stream(job_id)):
+    if not reads.job_exists(conn, job_id) and not conn.exists(keys.stream(job_id)):
         fail(f"no job {job_id!r} on this Redis (check the id and --redis-url)")
     reason = None
     for entry in streams.follow(conn, job_id):

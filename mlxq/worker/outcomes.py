@@ -17,7 +17,7 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.worker import BaseWorker
 
-from mlxq.broker import rq_store
+from mlxq.broker.rq_store import transitions
 from mlxq.engine.sampling import Completion
 from mlxq.wire import FinishReason, JobMeta, Request, Result, Timing, Usage
 
@@ -63,7 +63,7 @@ def write_results(worker: BaseWorker, done: list[tuple[InFlight, Result]]) -> li
 
 
 def _write(pipe, worker: BaseWorker, inf: InFlight, result: Result) -> None:
-    rq_store.end_job(pipe, inf.job, inf.queue, result, worker=worker, execution=inf.execution)
+    transitions.end_job(pipe, inf.job, inf.queue, result, worker=worker, execution=inf.execution)
 
 
 def build_result(inf: InFlight, c: Completion, model: str, worker: str) -> Result:

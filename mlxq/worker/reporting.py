@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from mlxq.broker import fleet, rq_store
+from mlxq.broker import fleet
+from mlxq.broker.rq_store import rq_keys
 from mlxq.engine.hardware import DeviceFacts
 from mlxq.engine.scheduler import Scheduler
 from mlxq.wire import Result, WorkerInfo
@@ -74,7 +75,7 @@ class Reporter:
         self.metrics.set_memory(*memory)
         with conn.pipeline(transaction=False) as pipe:
             for q in self.queues:
-                pipe.llen(rq_store.queue_key(q))
+                pipe.llen(rq_keys.queue_key(q))
             for q, depth in zip(self.queues, pipe.execute(), strict=True):
                 self.metrics.set_queue_depth(q, depth)
 

@@ -20,9 +20,10 @@ from rq.queue import Queue
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
-from mlxq.broker import fleet, keys, rq_store, streams
+from mlxq.broker import fleet, keys, streams
 from mlxq.broker.intake import JobRejected, decode_job, dequeue_many, register
 from mlxq.broker.recovery import requeue_abandoned
+from mlxq.broker.rq_store import internals, transitions
 from mlxq.broker.serializer import serializer
 from mlxq.engine.prompts import JobInputError
 from mlxq.engine.runner import Runner, Work
@@ -96,7 +97,7 @@ class MlxqWorker(BaseWorker):
 
     # -- signals: never raise from a handler; the loop reads the flags -----------------
     def _shutdown(self) -> None:
-        rq_store.request_stop(self)
+        internals.request_stop(self)
         self.log.info("Worker %s: stopping, finishing %d jobs", self.name, len(self.inflight))
 
     def request_force_stop(self, signum, frame) -> None:
@@ -119,11 +120,11 @@ class MlxqWorker(BaseWorker):
     ) -> bool:
         """Serve the queues until stopped (or, with ``burst``, until they are empty)."""
         self.bootstrap(logging_level)
-        rq_store.install_signal_handlers(self)
+        internals.install_signal_handlers(self)
         self.set_state(WorkerStatus.IDLE)
         backoff = 0.5
         try:
-            while not (rq_store.stop_requested(self) or self._force_stop):
+            while not (internals.stop_requested(self) or self._force_stop):
                 try:
                     if self._pass(burst, max_jobs):
                         break
@@ -243,7 +244,7 @@ class MlxqWorker(BaseWorker):
         """Wait up to ``timeout`` seconds for one job (RQ's blocking dequeue)."""
         try:
             return self.queue_class.dequeue_any(
-                rq_store.ordered_queues(self),
+                internals.ordered_queues(self),
                 timeout,
                 connection=self.connection,
                 job_class=self.job_class,
@@ -264,7 +265,7 @@ class MlxqWorker(BaseWorker):
             try:
                 request, tokens = self._vet(job)
             except (JobRejected, JobInputError) as e:
-                result = rq_store.result_without_output(
+                result = transitions.result_without_output(
                     job, "error", str(e), model=self.model_name, worker=self.name
                 )
                 self._fail(job, queue, execution, result, reason="rejected")
@@ -333,7 +334,7 @@ class MlxqWorker(BaseWorker):
         if self.reporter is not None:
             self.reporter.failed(reason)
         job.ended_at = now()
-        rq_store.fail_or_retry(self, job, queue, execution, result)
+        transitions.fail_or_retry(self, job, queue, execution, result)
 
     # -- heartbeats, cancels and time limits ---------------------------------------------
     def _beat_if_due(self) -> None:
@@ -410,7 +411,7 @@ class MlxqWorker(BaseWorker):
             self.runner.cancel(key)
             try:
                 with self.connection.pipeline() as pipe:
-                    rq_store.put_back(pipe, self, inf.job, inf.queue, inf.execution)
+                    transitions.put_back(pipe, self, inf.job, inf.queue, inf.execution)
                     pipe.execute()
                 self.log.info("Worker %s: put job %s back on %s", self.name, key, inf.queue.name)
             except redis.RedisError as e:
@@ -436,5 +437,5 @@ class MlxqWorker(BaseWorker):
         self.pubsub = self.connection.pubsub()
         self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
         self.pubsub_thread = self.pubsub.run_in_thread(
-            sleep_time=0.25, daemon=True, exception_handler=rq_store.pubsub_error_handler(self)
+            sleep_time=0.25, daemon=True, exception_handler=internals.pubsub_error_handler(self)
         )

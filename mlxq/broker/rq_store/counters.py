@@ -1,0 +1,54 @@
+"""A batch's counters: moving a job from one to another in the transaction that changes its
+state (once, however often the move is applied), and reading them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rq.job import Job
+
+from mlxq.broker import keys
+from mlxq.broker.rq_store.rq_keys import job_key
+from mlxq.broker.rq_store.states import BUCKETS
+
+# A job with no ``mlxq_state`` yet is in ``queued`` (where submit counts it). Batches
+# without counters (made before they were kept) are left alone.
+_MOVE = """
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 0 then
+  return 0
+end
+local old = redis.call('HGET', KEYS[1], 'mlxq_state') or 'queued'
+if old == ARGV[1] then return 0 end
+redis.call('HINCRBY', KEYS[2], old, -1)
+redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
+redis.call('HSET', KEYS[1], 'mlxq_state', ARGV[1])
+return 1
+"""
+
+
+def batch_of(job: Job) -> str | None:
+    """The mlxq batch a job belongs to (None for jobs pushed into RQ by other means)."""
+    meta = job.meta if isinstance(job.meta, dict) else {}
+    batch_id = meta.get("batch_id")
+    return batch_id if isinstance(batch_id, str) else None
+
+
+def move(pipe: Any, job_id: str, batch_id: str | None, bucket: str) -> None:
+    """Queue, in ``pipe``'s transaction, moving the job to its batch's ``bucket`` counter."""
+    if batch_id is None:
+        return
+    script = pipe.register_script(_MOVE)
+    script(keys=[job_key(job_id), keys.batch_counts(batch_id)], args=[bucket])
+
+
+def mark_submitted(pipe: Any, job_ids: Sequence[str], batch_id: str) -> None:
+    """Count freshly enqueued jobs as queued (their hashes need no field for that)."""
+    pipe.hincrby(keys.batch_counts(batch_id), "queued", len(job_ids))
+    pipe.expire(keys.batch_counts(batch_id), keys.BATCH_TTL)
+
+
+def read_counts(raw: dict[bytes, bytes]) -> dict[str, int]:
+    """A batch's counters from its hash (missing ones are 0)."""
+    got = {k.decode(): int(v) for k, v in raw.items()}
+    return {b: got.get(b, 0) for b in BUCKETS}

@@ -1,0 +1,43 @@
+"""The private attributes of RQ that mlxq relies on, each behind one function: check them
+when upgrading RQ."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rq.job import Job
+from rq.queue import Queue
+from rq.worker import BaseWorker
+
+
+def ordered_queues(worker: BaseWorker) -> list[Queue]:
+    """The worker's queues in dequeue order (RQ keeps no public accessor)."""
+    return worker._ordered_queues
+
+
+# RQ's BaseWorker keeps its stop flag, signal set-up and pubsub error handler private; the
+# batch loop needs them. (mlxq's worker also overrides BaseWorker._shutdown, the hook RQ's
+# signal handler calls: check it too when upgrading RQ.)
+def request_stop(worker: BaseWorker) -> None:
+    """Ask the worker's loop to stop after this pass (what RQ's warm shutdown does)."""
+    worker._stop_requested = True
+
+
+def stop_requested(worker: BaseWorker) -> bool:
+    """Whether a warm shutdown was asked for."""
+    return bool(worker._stop_requested)
+
+
+def install_signal_handlers(worker: BaseWorker) -> None:
+    """RQ's SIGTERM/SIGINT handlers (warm shutdown, then a forced one)."""
+    worker._install_signal_handlers()
+
+
+def pubsub_error_handler(worker: BaseWorker) -> Any:
+    """RQ's handler that keeps the command channel's thread alive through Redis errors."""
+    return worker._pubsub_exception_handler
+
+
+def enqueue_again(queue: Queue, job: Job, pipe: Any, at_front: bool) -> None:
+    """Put an existing job back on its queue (RQ's own requeue path, without its checks)."""
+    queue._enqueue_job(job, pipeline=pipe, at_front=at_front)

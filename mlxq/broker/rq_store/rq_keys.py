@@ -1,0 +1,52 @@
+"""RQ's key names, spelled only here: a job's hash, results and executions, a queue's list
+and registries."""
+
+from __future__ import annotations
+
+from rq.defaults import RQ_KEY_PREFIX
+from rq.job import Job
+from rq.queue import Queue
+from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
+from rq.results import Result as RQResult
+
+QUEUES_SET = Queue.redis_queues_keys  # every queue ever enqueued to
+
+
+def job_key(job_id: str) -> str:
+    """The job's hash (status, meta, payload, timestamps)."""
+    return Job.key_for(job_id)
+
+
+def queue_key(name: str) -> str:
+    """The list of job ids waiting in a queue."""
+    return Queue.redis_queue_namespace_prefix + name
+
+
+def queue_name_of(key: str) -> str | None:
+    """The queue name of a key from ``QUEUES_SET``, or None for anything else."""
+    prefix = Queue.redis_queue_namespace_prefix
+    return key[len(prefix) :] if key.startswith(prefix) else None
+
+
+def results_key(job_id: str) -> str:
+    """The stream of the job's RQ results (the latest is the one that counts)."""
+    return RQResult.get_key(job_id)
+
+
+def execution_key(job_id: str, execution_id: str) -> str:
+    """One execution (a worker's run) of a job."""
+    return f"{RQ_KEY_PREFIX}:execution:{job_id}:{execution_id}"
+
+
+def executions_key(job_id: str) -> str:
+    """The sorted set of a job's executions."""
+    return f"{RQ_KEY_PREFIX}:executions:{job_id}"
+
+
+def registry_keys(queue: str) -> tuple[str, str, str]:
+    """(started, finished, failed) registry keys of a queue."""
+    return (
+        StartedJobRegistry.key_template.format(queue),
+        FinishedJobRegistry.key_template.format(queue),
+        FailedJobRegistry.key_template.format(queue),
+    )

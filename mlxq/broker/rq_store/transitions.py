@@ -1,0 +1,158 @@
+"""How a job moves from one RQ state to another when a worker (or a sweeper) starts it, ends
+it, retries it or puts it back: each write in one transaction with its batch counter."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.queue import Queue
+from rq.results import Result as RQResult
+from rq.utils import now
+from rq.worker import BaseWorker
+
+from mlxq.broker import keys
+from mlxq.broker.rq_store.counters import batch_of, move
+from mlxq.broker.rq_store.rq_keys import execution_key, executions_key, job_key
+from mlxq.broker.rq_store.states import BUCKET_OF_REASON, STATUS_OF_REASON
+from mlxq.wire import JobMeta, Result, Timing
+
+
+def result_without_output(
+    job: Job, reason: Any, error: str, *, model: str | None = None, worker: str | None = None
+) -> Result:
+    """The full result of a job that ends without generating (rejected, abandoned, cancelled
+    while queued): who, when, and why, with zero usage."""
+    meta = _meta_of(job)
+    enqueued = job.enqueued_at.timestamp() if job.enqueued_at else None
+    started = job.started_at.timestamp() if job.started_at else None
+    return Result(
+        job_id=job.id,
+        custom_id=meta.custom_id,
+        finish_reason=reason,
+        error=error,
+        model=model,
+        worker=worker,
+        batch_id=meta.batch_id,
+        index=meta.index,
+        timing=Timing(enqueued_at=enqueued, started_at=started),
+    )
+
+
+def _meta_of(job: Job) -> JobMeta:
+    try:
+        return msgspec.convert(job.meta or {}, JobMeta)
+    except msgspec.ValidationError:
+        return JobMeta()
+
+
+def end_job(
+    pipe: Any,
+    job: Job,
+    queue: Queue,
+    result: Result,
+    *,
+    worker: BaseWorker | None = None,
+    execution: Execution | None = None,
+) -> None:
+    """Queue in ``pipe`` the writes that end a job with ``result``: its RQ status and
+    registry (by finish reason), the result as its RQ return value, its batch counter, and
+    the cleanup of the worker's execution."""
+    status = STATUS_OF_REASON[result.finish_reason]
+    ttl = job.get_result_ttl(keys.DEFAULT_RESULT_TTL)
+    job.ended_at = now()
+    move(pipe, job.id, batch_of(job), BUCKET_OF_REASON[result.finish_reason])
+    job.set_status(status, pipeline=pipe)
+    job.save(pipeline=pipe, include_meta=False, include_result=False)
+    # Failures carry their error as RQ's exception text too, for RQ's own tools.
+    failed = status == JobStatus.FAILED
+    RQResult.create(
+        job,
+        RQResult.Type.FAILED if failed else RQResult.Type.SUCCESSFUL,
+        ttl,
+        return_value=msgspec.to_builtins(result),
+        exc_string=(result.error or "failed") if failed else None,
+        worker_name=result.worker or "",
+        pipeline=pipe,
+        execution_id=execution.id if execution else None,
+        execution_started_at=execution.created_at if execution else None,
+        execution_ended_at=job.ended_at,
+    )
+    if status == JobStatus.FINISHED:
+        job.finished_job_registry.add(job, ttl, pipe)
+    elif status == JobStatus.CANCELED:
+        queue.canceled_job_registry.add(job, ttl, pipe)
+    else:
+        job.failed_job_registry.add(job, ttl, exc_string=result.error or "", pipeline=pipe)
+    job.cleanup(ttl, pipeline=pipe, remove_from_queue=False)
+    if worker is None:
+        return
+    if status == JobStatus.FINISHED:
+        worker.increment_successful_job_count(pipeline=pipe)
+    elif status == JobStatus.FAILED:
+        worker.increment_failed_job_count(pipeline=pipe)
+    if job.started_at:
+        worker.increment_total_working_time(job.ended_at - job.started_at, pipe)
+    worker.cleanup_execution(job, pipeline=pipe, execution=execution)
+
+
+def fail_or_retry(
+    worker: BaseWorker, job: Job, queue: Queue, execution: Execution, result: Result
+) -> bool:
+    """A failed run of a job: back on its queue if it has retries left (True), else ended
+    with ``result`` (an error). One transaction either way."""
+    retry = job.should_retry
+    with worker.connection.pipeline() as pipe:
+        if retry:
+            worker.cleanup_execution(job, pipeline=pipe, execution=execution)
+            worker.increment_failed_job_count(pipeline=pipe)
+            move(pipe, job.id, batch_of(job), "queued")
+            job.retry(queue, pipe)
+        else:
+            end_job(pipe, job, queue, result, worker=worker, execution=execution)
+        pipe.execute()
+    return retry
+
+
+def put_back(pipe: Any, worker: BaseWorker, job: Job, queue: Queue, execution: Execution) -> None:
+    """Queue in ``pipe`` returning a job this worker holds to the front of its queue."""
+    worker.cleanup_execution(job, pipeline=pipe, execution=execution)
+    move(pipe, job.id, batch_of(job), "queued")
+    job.set_status(JobStatus.QUEUED, pipeline=pipe)
+    pipe.lpush(queue.key, job.id)
+
+
+def start_jobs(pipe: Any, worker: BaseWorker, group: list[tuple[Job, Queue]]) -> list[Execution]:
+    """Queue in ``pipe`` RQ's prepare_execution + prepare_job_execution for many jobs.
+
+    (RQ's own version also reads ``job.func_name`` for the process title, which would
+    deserialize a hostile payload before it has been vetted.)
+    """
+    executions = []
+    for job, queue in group:
+        ttl = worker.get_heartbeat_ttl(job)
+        execution = Execution.create(job, ttl, pipeline=pipe, worker_name=worker.name)
+        worker.executions[execution.id] = execution
+        executions.append(execution)
+        job.heartbeat(now(), ttl, pipeline=pipe)
+        move(pipe, job.id, batch_of(job), "started")
+        job.prepare_for_execution(worker.name, pipeline=pipe)
+        pipe.persist(job.key)
+        pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+    return executions
+
+
+def drop_execution(pipe: Any, registry_key: str, member: str, job_id: str, execution_id: str):
+    """Queue in ``pipe`` forgetting a dead worker's execution of a job."""
+    pipe.zrem(registry_key, member)
+    pipe.delete(execution_key(job_id, execution_id))
+    pipe.zrem(executions_key(job_id), execution_id)
+
+
+def requeue_abandoned_one(pipe: Any, queue: Queue, job_id: str, batch_id: str | None) -> None:
+    """Queue in ``pipe`` putting an abandoned job back at the front of its queue."""
+    move(pipe, job_id, batch_id, "queued")
+    pipe.hset(job_key(job_id), "status", JobStatus.QUEUED.value)
+    pipe.lpush(queue.key, job_id)
