@@ -176,7 +176,7 @@ def worker(
 ) -> None:
     """Load a model once and serve generation jobs from Redis queues, continuously batched."""
     from mlxq.worker.launch import run_worker
-    from mlxq.worker.rq_worker import EngineStalled
+    from mlxq.worker.watchdog import EngineStalled
 
     _setup_logging(log_level, log_format)
     prof = _profile(profile, queues=list(queues), **settings)
@@ -226,7 +226,7 @@ def run(
     """
     from mlxq.server import embedded
     from mlxq.worker.launch import Setup, run_worker
-    from mlxq.worker.rq_worker import EngineStalled
+    from mlxq.worker.watchdog import EngineStalled
 
     # A progress bar shows the run; per-job log lines would drown it.
     log_level = "WARNING" if log_level.upper() == "INFO" else log_level

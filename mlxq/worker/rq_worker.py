@@ -3,8 +3,9 @@
 It runs in-process (no fork: forking after MLX starts crashes on macOS). Each pass of the
 loop writes back jobs the MLX thread finished (many per Redis round trip), pulls as many
 jobs as there are free slots (registering each as an RQ execution), and keeps every
-in-flight execution's heartbeat alive. Redis outages are ridden out with backoff: the MLX
-thread keeps generating meanwhile and results are written once Redis is back.
+in-flight execution's heartbeat alive (the checks on held jobs, and on a hung MLX thread,
+are ``watchdog``'s). Redis outages are ridden out with backoff: the MLX thread keeps
+generating meanwhile and results are written once Redis is back.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from mlxq.engine.prompts import JobInputError
 from mlxq.engine.runner import Runner, Work
 from mlxq.engine.sampling import Completion, EngineJob
 from mlxq.wire import JobMeta, Request, Result
+from mlxq.worker import watchdog
 from mlxq.worker.outcomes import InFlight, build_result, still_held, unrun_result, write_results
 from mlxq.worker.profile import DEFAULTS, STALL_TIMEOUT_S
 from mlxq.worker.reporting import Reporter
+from mlxq.worker.watchdog import EngineStalled
 
 log = logging.getLogger("mlxq.worker")
 
@@ -42,12 +45,6 @@ CONTROL_INTERVAL_S = 0.5  # how often cancel flags and time limits are checked
 REPORT_INTERVAL_S = 2.0  # how often the worker publishes its state (WorkerInfo, metrics)
 RECOVERY_INTERVAL_S = 5.0  # how often abandoned jobs of dead workers are looked for
 MAX_BACKOFF_S = 30.0
-# How long a stalled worker's record stays for `mlxq workers` after it exits.
-STALLED_RECORD_TTL = 600
-
-
-class EngineStalled(RuntimeError):
-    """The MLX thread completed no step for ``stall_timeout`` seconds with jobs in flight."""
 
 
 class MlxqWorker(BaseWorker):
@@ -168,43 +165,18 @@ class MlxqWorker(BaseWorker):
             self._finish(self.runner.completions(timeout=BUSY_WAIT_S))
         if not self.runner.alive:
             raise RuntimeError("the MLX thread died; see the log above")
-        self._check_stall()
+        watchdog.check_stall(self.runner, self.inflight, self.stall_timeout)
         return False
 
     # -- a hung MLX thread ---------------------------------------------------------------
-    def _step_age(self) -> float | None:
-        """Seconds since the MLX thread's last completed pass, while jobs are in flight."""
-        return time.monotonic() - self.runner.last_progress if self.inflight else None
-
-    def _check_stall(self) -> None:
-        """Give up on an MLX thread that has made no progress for ``stall_timeout`` s while
-        jobs are in flight (hung in a native call: heartbeats alone would hold its jobs
-        forever)."""
-        age = self._step_age()
-        if age is not None and age >= self.stall_timeout:
-            raise EngineStalled(
-                f"the MLX thread completed no step for {age:.0f}s (--stall-timeout "
-                f"{self.stall_timeout:g}) with {len(self.inflight)} jobs in flight; putting "
-                "them back and exiting so the service manager restarts this worker"
-            )
-
     def _on_stall(self, e: EngineStalled) -> None:
         """Log it, stop heartbeating, and leave a ``stalled`` record for `mlxq workers`."""
         self.stalled = True
         self.log.error("Worker %s: %s", self.name, e)
-        if self.reporter is None or self.runner.scheduler is None:
-            return
-        try:
-            self.reporter.publish(
-                self.connection,
-                self.runner.scheduler,
-                len(self.inflight),
-                ttl=max(STALLED_RECORD_TTL, self.abandon_after),
-                state="stalled",
-                step_age_s=self._step_age(),
+        if self.reporter is not None:
+            watchdog.record_stall(
+                self.reporter, self.connection, self.runner, self.inflight, self.abandon_after
             )
-        except redis.RedisError:
-            pass  # the record expires by itself
 
     def _maintain(self) -> None:
         # Swept right before RQ's own maintenance too: RQ would fail abandoned jobs
@@ -338,28 +310,11 @@ class MlxqWorker(BaseWorker):
 
     # -- heartbeats, cancels and time limits ---------------------------------------------
     def _beat_if_due(self) -> None:
-        """Refresh the worker's and every in-flight execution's heartbeat in one round trip;
-        jobs found handed to another worker meanwhile are dropped here."""
+        """Heartbeats every ``job_monitoring_interval`` seconds (``watchdog.beat``)."""
         if time.monotonic() - self._last_beat < self.job_monitoring_interval:
             return
         self._last_beat = time.monotonic()
-        items = list(self.inflight.values())
-        held = still_held(self.connection, items)
-        with self.connection.pipeline() as pipe:
-            self.heartbeat(self.job_monitoring_interval + 60, pipeline=pipe)
-            stamp = now()
-            for inf, ok in zip(items, held, strict=True):
-                if ok:
-                    inf.execution.heartbeat(
-                        inf.job.started_job_registry, self.abandon_after, pipeline=pipe
-                    )
-                    inf.job.heartbeat(stamp, self.abandon_after, pipeline=pipe, xx=True)
-            pipe.execute()
-        for inf, ok in zip(items, held, strict=True):
-            if not ok:
-                self.log.warning("Worker %s: lost job %s to another worker", self.name, inf.job.id)
-                self.inflight.pop(inf.job.id, None)
-                self.runner.cancel(inf.job.id)
+        watchdog.beat(self, self.inflight, self.runner, self.abandon_after)
 
     def _report_if_due(self) -> None:
         """Publish this worker's state (`mlxq workers`, progress bars, metrics)."""
@@ -374,25 +329,15 @@ class MlxqWorker(BaseWorker):
             len(self.inflight),
             ttl=self.abandon_after,
             memory=self.runner.memory,
-            step_age_s=self._step_age(),
+            step_age_s=watchdog.step_age(self.runner, self.inflight),
         )
 
     def _control_if_due(self) -> None:
-        """Stop jobs that were cancelled (`mlxq cancel`) or ran past their time limit."""
+        """Cancel flags and time limits every ``CONTROL_INTERVAL_S`` (``watchdog.stop_due``)."""
         if not self.inflight or time.monotonic() - self._last_control < CONTROL_INTERVAL_S:
             return
         self._last_control = time.monotonic()
-        items = list(self.inflight.values())
-        flags = self.connection.mget([keys.cancel_flag(inf.job.id) for inf in items])
-        for inf, flag in zip(items, flags, strict=True):
-            if inf.stop_reason:
-                continue
-            if flag is not None:
-                inf.stop_reason = "cancelled"
-            elif inf.job.timeout and time.time() - inf.started_at > inf.job.timeout:
-                inf.stop_reason = "timeout"
-            if inf.stop_reason:
-                self.runner.cancel(inf.job.id)
+        watchdog.stop_due(self.connection, self.inflight, self.runner)
 
     # -- stopping ------------------------------------------------------------------------
     def _wind_down(self) -> None:
