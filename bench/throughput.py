@@ -485,6 +485,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quantize", type=int, choices=(4, 8), help="quantize the weights to this many bits"
     )
     ap.add_argument(
+        "--kv-bits", type=int, choices=(4, 8), help="mlxq modes: a quantized slot KV cache"
+    )
+    ap.add_argument(
         "--dequantize",
         default="auto",
         choices=("auto", "on", "off"),
@@ -538,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # mlxq's own sizing: the scheduler's batch is what the worker admits.
     sizes = {"prefill_batch": args.prefill_batch} if args.prefill_batch else {}
-    profile = WorkerProfile(max_batch=args.batch, **sizes)
+    profile = WorkerProfile(max_batch=args.batch, kv_bits=args.kv_bits, **sizes)
     scheduler = build_scheduler(resolve(profile, device_facts(), info))
     batch = scheduler.max_batch
 
