@@ -184,12 +184,14 @@ def _quantized_reference(model: Any, tokenizer: Any, tokens: list[int], request,
     return out
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("bits", "compiled"), [(8, "0"), (4, "0"), (8, "1")])
 def test_quantized_slot_cache_equals_mlx_lm_quantized_single_requests(
-    wide_heads, bits: int
+    wide_heads, monkeypatch: pytest.MonkeyPatch, bits: int, compiled: str
 ) -> None:
     """With kv_bits, batched greedy output (jobs joining and leaving) equals mlx-lm's
-    single-request greedy output over its QuantizedKVCache, token for token."""
+    single-request greedy output over its QuantizedKVCache, token for token (also through
+    the compiled forward)."""
+    monkeypatch.setenv(slot_decode.COMPILE_ENV, compiled)
     model, tokenizer = wide_heads
     sizes = {"max_batch": 4, "prefill_batch": 2}
     plain = SlotEngine.from_loaded(model, tokenizer, "wide", **sizes)
