@@ -69,3 +69,26 @@ def test_one_resolved_configuration_decides_every_automatic_setting():
     config = resolve(given, _facts("cpu"), _info())
     assert (config.max_batch, config.prefill_batch, config.auto_prefill) == (3, 2, False)
     assert (config.stall_timeout, config.queues, config.prefill_tokens) == (9, ("x",), 2048)
+
+
+def test_a_quantized_kv_cache_sizes_batches_on_its_own_bytes():
+    from mlxq.engine.scheduler import kv_group_size, quantized_kv_bytes
+    from mlxq.worker.config import resolve
+
+    # 16 layers x 8 KV heads x 64 x (K, V) x 2 bytes: 32 KiB a token in float16.
+    assert quantized_kv_bytes(2**15, "float16", 64, 8) == 2**14 + 2**14 // 64 * 4
+    assert quantized_kv_bytes(2**15, "bfloat16", 64, 4) == 2**13 + 2**14 // 64 * 4
+    assert (kv_group_size(128), kv_group_size(96), kv_group_size(16)) == (64, 32, None)
+    facts, info = _facts("metal", gib=64), _info()
+    plain = resolve(WorkerProfile(model="m"), facts, info)
+    eight = resolve(WorkerProfile(model="m", kv_bits=8), facts, info)
+    assert eight.kv_bits == 8 and eight.info.kv_bytes_per_token == 17408
+    assert plain.max_batch == 256 or eight.max_batch > 1.8 * plain.max_batch
+    small = _facts("metal", gib=8)  # where memory, not the cap, sets the batch
+    ratio = (
+        resolve(WorkerProfile(model="m", kv_bits=8), small, info).max_batch
+        / resolve(WorkerProfile(model="m"), small, info).max_batch
+    )
+    assert 1.8 < ratio < 2.0
+    with pytest.raises(ProfileError, match="kv_bits"):
+        merge(WorkerProfile(model="m"), {"kv_bits": 5})

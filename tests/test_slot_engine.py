@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 import test_engine as base
+from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_tokenizer
 from test_engine import REQUESTS, FlakyModel, check_against_reference, reference, run_all
 
@@ -106,8 +107,8 @@ class _GrowingCache(SlotCache):
 
     sizes: ClassVar[list[int]] = []
 
-    def __init__(self, num_layers: int, slots: int) -> None:
-        super().__init__(num_layers, slots, step=1)
+    def __init__(self, num_layers: int, slots: int, **options: Any) -> None:
+        super().__init__(num_layers, slots, step=1, **options)
 
     def reserve(self, tokens: int) -> None:
         super().reserve(tokens)
@@ -130,6 +131,63 @@ def test_compiled_forward_equals_single_requests_as_the_cache_grows(
     done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, 2)
     check_against_reference(tiny, engine, done)
     assert len(_GrowingCache.sizes) >= 3  # it grew while rows decoded
+
+
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    from mlxq.engine.make_model import make_model
+
+    return mlx_lm.load(str(make_model(tmp_path_factory.mktemp("wide"), "tiny-wide-heads")))
+
+
+def _quantized_reference(model: Any, tokenizer: Any, tokens: list[int], request, bits: int):
+    """mlx-lm's single request with its own quantized KV cache from the first token on."""
+    out = []
+    steps = generate_step(
+        mx.array(tokens),
+        model,
+        max_tokens=request.max_tokens,
+        kv_bits=bits,
+        kv_group_size=32,
+        quantized_kv_start=0,
+    )
+    for token, _ in steps:
+        if token in tokenizer.eos_token_ids:
+            break
+        out.append(token)
+    return out
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_slot_cache_equals_mlx_lm_quantized_single_requests(
+    wide_heads, bits: int
+) -> None:
+    """With kv_bits, batched greedy output (jobs joining and leaving) equals mlx-lm's
+    single-request greedy output over its QuantizedKVCache, token for token."""
+    model, tokenizer = wide_heads
+    sizes = {"max_batch": 4, "prefill_batch": 2}
+    plain = SlotEngine.from_loaded(model, tokenizer, "wide", **sizes)
+    engine = SlotEngine.from_loaded(model, tokenizer, "wide", kv_bits=bits, **sizes)
+    assert engine.attention == f"{bits}-bit quantized"
+    jobs = {str(i): r for i, r in enumerate(REQUESTS)}
+    done, plain_done = run_all(engine, jobs, 2), run_all(plain, jobs, 2)
+    for i, request in enumerate(REQUESTS):
+        ref = _quantized_reference(model, tokenizer, engine.encode(request), request, bits)
+        assert done[str(i)].token_ids == ref, f"request {i}"
+    # float32 values, groups of 32 with a float32 scale and bias each.
+    per_value = bits / 8 + 2 * 4 / 32
+    assert engine._cache.nbytes == pytest.approx(plain._cache.nbytes * per_value / 4)
+    assert all(c.finish_reason in ("stop", "length") for c in plain_done.values())
+
+
+def test_kv_bits_that_cannot_be_honoured_are_refused(tiny) -> None:
+    model, tokenizer = tiny  # heads of 16 values
+    with pytest.raises(ValueError, match="multiple of 32"):
+        SlotEngine.from_loaded(model, tokenizer, "tiny", kv_bits=8)
+    with pytest.raises(ValueError, match="choose 8 or 4"):
+        SlotEngine.from_loaded(model, tokenizer, "tiny", kv_bits=5)
+    with pytest.raises(ValueError, match="needs the slot engine"):
+        make_engine(model, tokenizer, "tiny", engine="batch_generator", kv_bits=8)
 
 
 @pytest.fixture(scope="module")

@@ -13,18 +13,25 @@ where ``mask`` (``[rows, 1, 1, span]``, bool) marks each row's valid positions:
 - ``"fused"``: ``mx.fast.scaled_dot_product_attention`` with the bool mask; Metal's vector
   kernel takes array masks at full speed.
 
+A quantized slot cache (``kv_bits``) always uses :func:`quantized_decode`, the first
+kernel over ``mx.quantized_matmul``.
+
 :func:`choose_kernel` picks one per backend once at start (``MLXQ_DECODE_ATTENTION``
 overrides: ``gqa``, ``gqa-compiled`` or ``fused``) and the engine logs the choice.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
 import mlx.core as mx
 
-Kernel = Callable[[mx.array, mx.array, mx.array, float, mx.array], mx.array]
+from mlxq.engine.scheduler import kv_group_size
+
+# (queries, keys, values, scale, mask): keys and values are arrays, or quantized parts.
+Kernel = Callable[..., mx.array]
 KERNEL_ENV = "MLXQ_DECODE_ATTENTION"
 # Per backend: CUDA's fused kernel is slow with array masks; Metal's and the CPU's are not.
 DEFAULT_KERNEL = {"cuda": "gqa", "metal": "fused", "cpu": "fused"}
@@ -42,6 +49,28 @@ def gqa_decode(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arr
     scores = mx.where(mask, qg @ k.swapaxes(-1, -2), _MASKED)  # [rows, kv, group, span]
     weights = mx.softmax(scores, axis=-1, precise=True)
     return (weights @ v).reshape(rows, q_heads, 1, dim)
+
+
+def quantized_decode(
+    q: mx.array,
+    k: tuple[mx.array, ...],
+    v: tuple[mx.array, ...],
+    scale: float,
+    mask: mx.array,
+    group_size: int,
+    bits: int,
+) -> mx.array:
+    """:func:`gqa_decode` over a quantized cache (``mx.quantize`` parts of keys and values):
+    ``mx.quantized_matmul`` reads them without a dequantized copy, as mlx-lm's quantized
+    attention does."""
+    rows, q_heads, _, dim = q.shape
+    kv_heads = k[0].shape[1]
+    qg = (q * scale).reshape(rows, kv_heads, q_heads // kv_heads, dim)
+    opts = {"group_size": group_size, "bits": bits}
+    scores = mx.quantized_matmul(qg, *k, transpose=True, **opts)  # [rows, kv, group, span]
+    weights = mx.softmax(mx.where(mask, scores, _MASKED), axis=-1, precise=True)
+    out = mx.quantized_matmul(weights, *v, transpose=False, **opts)
+    return out.reshape(rows, q_heads, 1, dim)
 
 
 def fused_decode(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array) -> mx.array:
@@ -68,3 +97,20 @@ def choose_kernel(backend: str, override: str | None = None) -> tuple[str, Kerne
             f"choose one of {', '.join(KERNELS)}"
         )
     return name, KERNELS[name]
+
+
+KV_BITS = (8, 4)
+
+
+def quantized_kernel(bits: int, head_dim: int) -> tuple[int, Kernel]:
+    """``(group_size, kernel)`` for a slot cache quantized to ``bits``; raises
+    ``ValueError`` for other bits or a head too narrow to quantize (groups of 64, else 32)."""
+    if bits not in KV_BITS:
+        raise ValueError(f"kv_bits {bits} is not supported: choose 8 or 4")
+    group = kv_group_size(head_dim)
+    if group is None:
+        raise ValueError(
+            f"a quantized KV cache needs heads of a multiple of 32 values; this model's "
+            f"have {head_dim}: run it without kv_bits"
+        )
+    return group, functools.partial(quantized_decode, group_size=group, bits=bits)

@@ -28,7 +28,7 @@ def make_engine(
     model: nn.Module, tokenizer: Any, name: str, *, engine: str | None = None, **options: Any
 ) -> BatchEngine:
     """The engine for a loaded model (options as ``SlotEngine.from_loaded``; the fallback
-    ignores ``attention`` and ``hooks``)."""
+    ignores ``attention``, and refuses ``hooks`` and ``kv_bits``)."""
     choice = engine or os.environ.get(ENGINE_ENV) or "slot"
     if choice not in ENGINES:
         raise ValueError(
@@ -39,6 +39,11 @@ def make_engine(
     if why is None:
         return SlotEngine.from_loaded(model, tokenizer, name, **options)
     log.info("engine: mlx-lm BatchGenerator for %s (%s)", name, why)
+    if options.pop("kv_bits", None) is not None:  # its batched path cannot quantize its cache
+        raise ValueError(
+            f"kv_bits needs the slot engine, and {name} runs on mlx-lm's BatchGenerator "
+            f"({why}): run it without kv_bits"
+        )
     if options.pop("hooks", None):
         raise ValueError(f"batch logits hooks need the slot engine, and {name} cannot use it")
     options.pop("attention", None)

@@ -64,6 +64,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": _TINY,
     # Tiny members of other families (the slot engine's tests; gemma3 runs on the fallback).
     "tiny-qwen2": _tiny("qwen2"),
+    # Heads of 32 values: a quantized KV cache needs whole groups of 32 (tests of kv_bits).
+    "tiny-wide-heads": _tiny("llama", head_dim=32),
     "tiny-qwen3": _tiny("qwen3", head_dim=16),
     "tiny-mistral": _tiny("mistral", head_dim=16),
     "tiny-phi3": _tiny(

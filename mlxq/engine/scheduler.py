@@ -22,6 +22,24 @@ PREFILL_TOKENS = {"cpu": 2048, "metal": 16384, "cuda": 16384}
 DEFAULT_PREFILL_BATCH = 8
 
 
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def kv_group_size(head_dim: int) -> int | None:
+    """The quantization group of a KV cache with heads of ``head_dim`` values: 64, else
+    32, else None (too narrow to quantize)."""
+    return next((g for g in (64, 32) if head_dim % g == 0), None)
+
+
+def quantized_kv_bytes(kv_bytes_per_token: int, dtype: str, head_dim: int, bits: int) -> int:
+    """A token's KV bytes when the cache holds ``bits``-bit values: packed values plus a
+    scale and a bias of the model's dtype per group."""
+    size = _DTYPE_BYTES.get(dtype, 2)
+    group = kv_group_size(head_dim) or head_dim
+    values = kv_bytes_per_token // size
+    return values * bits // 8 + values // group * 2 * size
+
+
 def memory_budget(total_bytes: int, model_bytes: int, fraction: float = 0.75) -> int:
     """Bytes left for KV caches: a fraction of device memory minus the weights."""
     return max(0, int(total_bytes * fraction) - model_bytes)

@@ -21,7 +21,9 @@ bookkeeping only: no tensor work, no device sync; the next owner overwrites it.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 
@@ -31,15 +33,40 @@ from mlxq.engine.attention import Kernel
 SPAN_ROUND = 32
 
 
-class SlotCache:
-    """Keys and values of every layer for ``slots`` rows; allocated at the first write."""
+# A layer's keys (or values): one array, or with ``bits`` the parts of ``mx.quantize``
+# (packed ints, scales, biases), each ``[slots, kv_heads, capacity, *]``.
+Stored = mx.array | tuple[mx.array, ...]
 
-    def __init__(self, num_layers: int, slots: int, step: int = 256) -> None:
+
+def _each(x: Stored, f: Callable[[mx.array], mx.array]) -> Stored:
+    return tuple(f(p) for p in x) if isinstance(x, tuple) else f(x)
+
+
+def _parts(x: Stored) -> tuple[mx.array, ...]:
+    return x if isinstance(x, tuple) else (x,)
+
+
+class SlotCache:
+    """Keys and values of every layer for ``slots`` rows; allocated at the first write.
+
+    With ``bits`` (8 or 4) they are stored quantized (``mx.quantize``, groups of
+    ``group_size`` along the head dimension): 8 bits take about half of bfloat16's memory.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        slots: int,
+        step: int = 256,
+        bits: int | None = None,
+        group_size: int = 64,
+    ) -> None:
         # Capacity in whole spans, so that no group's rounded span outgrows it.
         step = -(-step // SPAN_ROUND) * SPAN_ROUND
         self.num_layers, self.slots, self.step = num_layers, slots, step
-        self.keys: list[mx.array] = []
-        self.values: list[mx.array] = []
+        self.bits, self.group_size = bits, group_size
+        self.keys: list[Stored] = []
+        self.values: list[Stored] = []
         self.capacity = 0
         self.lengths = [0] * slots
         self._free = list(range(slots))  # a heap: the lowest free slot first
@@ -63,7 +90,7 @@ class SlotCache:
     @property
     def nbytes(self) -> int:
         """Bytes the preallocated arrays hold."""
-        return sum(a.nbytes for a in self.keys + self.values)
+        return sum(p.nbytes for x in self.keys + self.values for p in _parts(x))
 
     def reserve(self, tokens: int) -> None:
         """Grow every layer so that each slot holds at least ``tokens`` positions."""
@@ -71,8 +98,8 @@ class SlotCache:
             return
         grown = -(-tokens // self.step) * self.step
         for layer in range(self.num_layers):
-            self.keys[layer] = _grow(self.keys[layer], grown)
-            self.values[layer] = _grow(self.values[layer], grown)
+            self.keys[layer] = _each(self.keys[layer], lambda a: _grow(a, grown))
+            self.values[layer] = _each(self.values[layer], lambda a: _grow(a, grown))
         mx.eval(self.keys, self.values)
         self.capacity = grown
 
@@ -83,17 +110,32 @@ class SlotCache:
             self._allocate(keys, values, n)
         self.reserve(n)
         idx = mx.array(slots)
-        self.keys[layer][idx, :, :n, :] = keys
-        self.values[layer][idx, :, :n, :] = values
+        self.put(self.keys[layer], (idx, slice(None), slice(0, n)), keys)
+        self.put(self.values[layer], (idx, slice(None), slice(0, n)), values)
+
+    def put(self, stored: Stored, at: tuple[Any, ...], new: mx.array) -> None:
+        """Write ``new`` (full precision) into ``stored[at]``, quantized if the cache is."""
+        if not isinstance(stored, tuple):
+            stored[at] = new
+            return
+        coded = mx.quantize(new, group_size=self.group_size, bits=self.bits)
+        for part, data in zip(stored, coded, strict=True):
+            part[at] = data
 
     def _allocate(self, keys: mx.array, values: mx.array, n: int) -> None:
         self.capacity = -(-max(n, 1) // self.step) * self.step
-        _, heads, _, k_dim = keys.shape
-        shape_k = (self.slots, heads, self.capacity, k_dim)
-        shape_v = (self.slots, heads, self.capacity, values.shape[3])
+        heads = keys.shape[1]
         # In place: a compiled decode forward holds these lists as its state.
-        self.keys[:] = [mx.zeros(shape_k, keys.dtype) for _ in range(self.num_layers)]
-        self.values[:] = [mx.zeros(shape_v, values.dtype) for _ in range(self.num_layers)]
+        self.keys[:] = [self._zeros(heads, keys) for _ in range(self.num_layers)]
+        self.values[:] = [self._zeros(heads, values) for _ in range(self.num_layers)]
+
+    def _zeros(self, heads: int, like: mx.array) -> Stored:
+        lead, dim = (self.slots, heads, self.capacity), like.shape[3]
+        if self.bits is None:
+            return mx.zeros((*lead, dim), like.dtype)
+        packed = mx.zeros((*lead, dim * self.bits // 32), mx.uint32)
+        scales = mx.zeros((*lead, dim // self.group_size), like.dtype)
+        return packed, scales, mx.zeros_like(scales)
 
 
 def _grow(a: mx.array, capacity: int) -> mx.array:
@@ -174,8 +216,8 @@ class SlotLayer:
                 mx.arange(heads)[None, :],
                 state.positions[:, None],
             )
-        c.keys[layer][state.write_at] = keys[:, :, 0, :]
-        c.values[layer][state.write_at] = values[:, :, 0, :]
+        c.put(c.keys[layer], state.write_at, keys[:, :, 0, :])
+        c.put(c.values[layer], state.write_at, values[:, :, 0, :])
         return c.keys[layer], c.values[layer]
 
     def make_mask(self, n: int, **_: object) -> None:
@@ -187,6 +229,7 @@ class SlotLayer:
         keys, values = self.cache.keys[self.layer], self.cache.values[self.layer]
         kernel, outs = self.state.kernel, []
         for (start, end, span), mask in zip(self.state.groups, self.state.masks, strict=True):
-            k, v = keys[start:end, :, :span], values[start:end, :, :span]
+            k = _each(keys, lambda a, s=start, e=end, n=span: a[s:e, :, :n])
+            v = _each(values, lambda a, s=start, e=end, n=span: a[s:e, :, :n])
             outs.append(kernel(queries[start:end], k, v, scale, mask))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)

@@ -37,7 +37,7 @@ import mlx.nn as nn
 from mlx_lm.sample_utils import make_logits_processors
 
 from mlxq.engine import mlx_lm_seam
-from mlxq.engine.attention import choose_kernel
+from mlxq.engine.attention import choose_kernel, quantized_kernel
 from mlxq.engine.constraints import ConstraintHook
 from mlxq.engine.hardware import backend_name
 from mlxq.engine.model_facts import model_info
@@ -94,12 +94,14 @@ class SlotEngine:
         prefix_cache_bytes: int = 0,
         attention: str | None = None,
         hooks: list[BatchLogitsHook] | None = None,
+        kv_bits: int | None = None,
     ) -> None:
         """An engine over a loaded mlx-lm model and its ``TokenizerWrapper``.
 
         ``attention`` overrides the decode attention chosen for the backend ("gqa" or
-        "fused"); ``hooks`` process each decode step's logits (module docstring).
-        Raises ``ValueError`` if the model's cache cannot live in slots.
+        "fused"); ``hooks`` process each decode step's logits (module docstring);
+        ``kv_bits`` (8 or 4) stores the slot cache quantized. Raises ``ValueError`` if the
+        model's cache cannot live in slots, or cannot be quantized as asked.
         """
         why = mlx_lm_seam.unsupported(model)
         if why is not None:
@@ -114,6 +116,10 @@ class SlotEngine:
         self._constraints = ConstraintHook.for_model(model, tokenizer)
         self.hooks = [*(hooks or []), self._constraints]
         self.attention, self._kernel = choose_kernel(backend_name(), attention)
+        self.kv_bits, self._kv_group = kv_bits, 64
+        if kv_bits is not None:
+            self._kv_group, self._kernel = quantized_kernel(kv_bits, self.info.head_dim)
+            self.attention = f"{kv_bits}-bit quantized"
         self.join_wait = JOIN_WAIT_STEPS
         # Build the next step while the last one runs, although its cache writes then copy:
         # 1.07-1.08x on CUDA (bench/RESULTS.md); on the CPU the copies cost 20x a step.
@@ -228,7 +234,9 @@ class SlotEngine:
         self._new_cache()
 
     def _new_cache(self) -> None:
-        self._cache = SlotCache(self.info.num_layers, self.max_batch)
+        self._cache = SlotCache(
+            self.info.num_layers, self.max_batch, bits=self.kv_bits, group_size=self._kv_group
+        )
         self._forward = (
             CompiledForward(self.model, self._cache, self._kernel) if self.compiled else None
         )

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from mlxq.broker import keys
 from mlxq.engine.hardware import DeviceFacts
 from mlxq.engine.scheduler import (
@@ -18,6 +20,7 @@ from mlxq.engine.scheduler import (
     PREFILL_TOKENS,
     auto_max_batch,
     memory_budget,
+    quantized_kv_bytes,
     split_budget,
 )
 from mlxq.wire import ModelInfo
@@ -46,6 +49,7 @@ class WorkerConfig:
     stall_timeout: float
     metrics_port: int | None
     engine: str | None = None  # the batch engine asked for (None: chosen by the model)
+    kv_bits: int | None = None  # a quantized slot cache (info.kv_bytes_per_token counts it)
     engine_max_batch: int = MAX_AUTO_BATCH  # the engine's own cap (--max-batch, else 256)
 
 
@@ -61,6 +65,9 @@ def resolve(profile: WorkerProfile, facts: DeviceFacts, info: ModelInfo) -> Work
     """The configuration of a worker serving ``info``'s model on ``facts``' machine."""
     if not profile.model and not info.name:
         raise ValueError("no model: pass --model (a local folder or a hub id) or a --profile")
+    if profile.kv_bits is not None:  # the scheduler sizes batches on the quantized bytes
+        kv = quantized_kv_bytes(info.kv_bytes_per_token, info.dtype, info.head_dim, profile.kv_bits)
+        info = msgspec.structs.replace(info, kv_bytes_per_token=kv)
     total = memory_budget(facts.recommended_bytes, info.param_bytes, profile.memory_fraction)
     kv_bytes, prefix_bytes = split_budget(total, profile.prefix_cache_fraction)
     max_batch = profile.max_batch or auto_max_batch(kv_bytes, info.kv_bytes_per_token)
@@ -84,5 +91,6 @@ def resolve(profile: WorkerProfile, facts: DeviceFacts, info: ModelInfo) -> Work
         stall_timeout=stall,
         metrics_port=profile.metrics_port,
         engine=profile.engine,
+        kv_bits=profile.kv_bits,
         engine_max_batch=profile.max_batch or MAX_AUTO_BATCH,
     )

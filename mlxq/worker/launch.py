@@ -83,6 +83,7 @@ def engine_for(
         prefill_batch=config.prefill_batch,
         prefill_step=config.prefill_step,
         prefix_cache_bytes=config.prefix_cache_bytes,
+        kv_bits=config.kv_bits,
     )
     made.warmup()
     return made
@@ -117,7 +118,7 @@ def _log_sizing(config: WorkerConfig) -> None:
     )
     log.info(
         "model: %s (%s, %d layers, hidden %d, %d KV heads x %d, vocab %d, context %d, %s), "
-        "%.2f GiB weights, %d KiB KV per token; batch up to %d",
+        "%.2f GiB weights, %d KiB KV per token%s; batch up to %d",
         info.name,
         info.model_type,
         info.num_layers,
@@ -129,6 +130,7 @@ def _log_sizing(config: WorkerConfig) -> None:
         info.dtype,
         info.param_bytes / 2**30,
         info.kv_bytes_per_token // 1024,
+        f" ({config.kv_bits}-bit cache)" if config.kv_bits else "",
         config.max_batch,
     )
 

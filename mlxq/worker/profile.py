@@ -37,6 +37,9 @@ class WorkerProfile(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     name: str | None = None
     # The batch engine: None runs the slot engine where the model's cache allows it.
     engine: Literal["slot", "batch_generator"] | None = None
+    # Store the slot KV cache quantized to 8 or 4 bits (8: about half the memory of
+    # bfloat16, so about twice the batch); None keeps the model's dtype.
+    kv_bits: Literal[8, 4] | None = None
     # Quantized weights: "auto" dequantizes them at load on CUDA when they fit.
     dequantize: Literal["auto", "on", "off"] = "auto"
     # Serve Prometheus metrics on this port (needs the `metrics` extra).
