@@ -158,3 +158,24 @@ def test_rq_info_shows_mlxq_queues_and_workers(valkey_url, conn, tiny_model):
     info = seen[0]
     assert info.returncode == 0, info.stderr
     assert "rqi" in info.stdout and "rq-visible" in info.stdout and "1 workers" in info.stdout
+
+
+def test_run_with_a_quantized_kv_cache(tmp_path, batch_file):
+    env = {k: v for k, v in os.environ.items() if k != "MLXQ_REDIS_URL"}
+    wide = tmp_path / "wide"
+    assert (
+        run_mlxq("make-model", str(wide), "--preset", "tiny-wide-heads", url=None).returncode == 0
+    )
+    out = tmp_path / "out.jsonl"
+    args = ("run", str(batch_file), "-o", str(out), "--json", "--kv-bits", "8")
+    run = run_mlxq(*args, "--model", str(wide), "--log-level", "debug", env=env)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["finished"] == 3
+    assert "8-bit cache" in run.stderr and "8-bit quantized decode attention" in run.stderr
+    # Heads of 16 values cannot be quantized in groups: refused at start, in one line.
+    narrow = tmp_path / "narrow"
+    assert run_mlxq("make-model", str(narrow), url=None).returncode == 0
+    refused = run_mlxq(*args, "--model", str(narrow), env=env)
+    errors = [x for x in refused.stderr.splitlines() if x.startswith("mlxq: error:")]
+    assert refused.returncode == 1 and len(errors) == 1 and "multiple of 32" in errors[0]
+    assert "Traceback" not in refused.stderr

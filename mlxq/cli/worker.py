@@ -65,6 +65,13 @@ def worker_options(f: Callable) -> Callable:
             "mlx-lm's BatchGenerator].",
         ),
         click.option(
+            "--kv-bits",
+            type=click.Choice(["8", "4"]),
+            callback=lambda _ctx, _param, v: None if v is None else int(v),
+            help="Store the KV cache quantized to this many bits: about twice the batch in "
+            "the same memory [default: the model's dtype].",
+        ),
+        click.option(
             "--dequantize",
             type=click.Choice(["auto", "on", "off"]),
             help="Dequantize quantized weights at load [default: auto = on CUDA when they fit].",
