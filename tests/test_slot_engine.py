@@ -19,14 +19,15 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_tokenizer
 from test_engine import REQUESTS, FlakyModel, check_against_reference, reference, run_all
 
-from mlxq.engine import slot_decode, slot_engine
+from mlxq.engine import slot_decode, slot_engine, slot_order
 from mlxq.engine.attention import KERNELS, choose_kernel, fused_decode, gqa_decode
 from mlxq.engine.factory import make_engine
 from mlxq.engine.mlx_lm_batch import Engine
 from mlxq.engine.protocol import BatchEngine
 from mlxq.engine.sampling import EngineJob
-from mlxq.engine.slot_cache import SlotCache, span_groups
+from mlxq.engine.slot_cache import SlotCache
 from mlxq.engine.slot_engine import SlotEngine
+from mlxq.engine.slot_order import sorted_order, span_groups
 from mlxq.wire import Request
 
 
@@ -102,6 +103,31 @@ def test_groups_of_slots_equal_single_requests(tiny, monkeypatch: pytest.MonkeyP
     check_against_reference(tiny, engine, done)
 
 
+def test_sorted_order_only_when_it_pays() -> None:
+    # Four groups of two: long and short rows alternate, so every group spans 224.
+    mixed = {0: 200, 1: 10, 2: 201, 3: 11, 4: 202, 5: 12, 6: 203, 7: 13}
+    assert sorted_order(mixed, 2, 0) == [1, 3, 5, 7, 0, 2, 4, 6]
+    packed = {0: 10, 1: 11, 2: 200, 3: 201}
+    assert sorted_order(packed, 2, 0) is None  # already in order
+    assert sorted_order({0: 5, 1: 300}, 2, 0) is None  # one group either way
+
+
+def test_rows_sorted_mid_run_equal_single_requests(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows moved into length order between steps (here whenever it does not read more)
+    keep their tokens: the cache, the bookkeeping and a step in flight follow them."""
+    model, tokenizer = tiny
+    monkeypatch.setattr(slot_decode, "GROUP_ROWS", 2)
+    monkeypatch.setenv(slot_decode.SPLIT_ENV, "0")
+    monkeypatch.setattr(slot_engine, "SORT_EVERY", 1)
+    monkeypatch.setattr(slot_order, "SORT_GAIN", 0.999)
+    for overlap in ("1", "0"):
+        monkeypatch.setenv("MLXQ_SLOT_OVERLAP", overlap)
+        engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=6, prefill_batch=1)
+        done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, 1)
+        check_against_reference(tiny, engine, done)
+        assert engine.stats().sorts > 0 and engine._cache.free_slots == 6
+
+
 class _GrowingCache(SlotCache):
     """A slot cache that grows in steps of one span (32 positions) and records each size."""
 
@@ -158,12 +184,14 @@ def _quantized_reference(model: Any, tokenizer: Any, tokens: list[int], request,
     return out
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("bits", "compiled"), [(8, "0"), (4, "0"), (8, "1")])
 def test_quantized_slot_cache_equals_mlx_lm_quantized_single_requests(
-    wide_heads, bits: int
+    wide_heads, monkeypatch: pytest.MonkeyPatch, bits: int, compiled: str
 ) -> None:
     """With kv_bits, batched greedy output (jobs joining and leaving) equals mlx-lm's
-    single-request greedy output over its QuantizedKVCache, token for token."""
+    single-request greedy output over its QuantizedKVCache, token for token (also through
+    the compiled forward)."""
+    monkeypatch.setenv(slot_decode.COMPILE_ENV, compiled)
     model, tokenizer = wide_heads
     sizes = {"max_batch": 4, "prefill_batch": 2}
     plain = SlotEngine.from_loaded(model, tokenizer, "wide", **sizes)

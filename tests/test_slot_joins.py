@@ -1,7 +1,9 @@
-"""The slot engine's join policy alone: plain Python, no model."""
+"""The slot engine's join and ordering policy alone: plain Python, no model."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 from mlxq.engine.slot_joins import Waiting, join_due, pick_group, similar
@@ -64,3 +66,13 @@ def test_pick_group_keeps_one_cached_prefix_per_group() -> None:
     assert [len(x.run.prompt) for x in w] == [20, 13, 30]
     assert [len(x.run.prompt) for x in pick_group(w, 8, prefix)] == [20, 30]
     assert prefix.asked.count(150) == 1  # a plan is made once
+
+
+def test_the_policy_modules_import_no_mlx() -> None:
+    """Scheduling policy is plain Python: importing it loads no MLX."""
+    code = (
+        "import sys; import mlxq.engine.slot_joins, mlxq.engine.slot_order, "
+        "mlxq.engine.scheduler; "
+        "sys.exit(any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules))"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

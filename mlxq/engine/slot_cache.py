@@ -9,6 +9,8 @@ bookkeeping only: no tensor work, no device sync; the next owner overwrites it.
 - **Decode** writes one position per row (:class:`SlotLayer.update_and_fetch`, a scatter
   at each row's own length) and attends over each *group* of rows up to that group's
   longest row (:class:`DecodeState`), so short rows do not pay for the batch's longest.
+- **Sorting** (:meth:`SlotCache.permute`) moves the live rows into a new slot order,
+  when :mod:`mlxq.engine.slot_order` says it pays: one gather per layer.
 - **Capacity** grows in steps (``step`` positions) when a row would outgrow it: one copy
   of the live rows per growth.
 
@@ -28,10 +30,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxq.engine.attention import Kernel
-
-# Attention spans are rounded up to this many positions (fewer distinct shapes).
-SPAN_ROUND = 32
-
+from mlxq.engine.slot_order import SPAN_ROUND, span_groups
 
 # A layer's keys (or values): one array, or with ``bits`` the parts of ``mx.quantize``
 # (packed ints, scales, biases), each ``[slots, kv_heads, capacity, *]``.
@@ -103,6 +102,18 @@ class SlotCache:
         mx.eval(self.keys, self.values)
         self.capacity = grown
 
+    def permute(self, order: list[int]) -> None:
+        """Move slot ``order[i]`` to slot ``i`` (the live rows, packed at the front); every
+        other slot becomes free. One gather per layer: a copy of the whole cache."""
+        live = set(order)
+        perm = order + [s for s in range(self.slots) if s not in live]
+        idx = mx.array(perm)
+        for layer in range(self.num_layers):
+            self.keys[layer] = _each(self.keys[layer], lambda a: a[idx])
+            self.values[layer] = _each(self.values[layer], lambda a: a[idx])
+        self.lengths[:] = [self.lengths[s] if s in live else 0 for s in perm]
+        self._free = list(range(len(order), self.slots))  # sorted: a valid heap
+
     def write(self, slots: list[int], layer: int, keys: mx.array, values: mx.array) -> None:
         """Write ``[len(slots), kv_heads, n, dim]`` keys and values at positions ``0..n-1``."""
         n = keys.shape[2]
@@ -171,32 +182,6 @@ class DecodeState:
             valid = mx.array(lengths[start:end]) + 1
             masks.append((mx.arange(span)[None] < valid[:, None])[:, None, None, :])
         return cls(mx.array(lengths), groups, masks, kernel)
-
-
-def _span(lengths: list[int]) -> int:
-    return -(-(max(lengths) + 1) // SPAN_ROUND) * SPAN_ROUND
-
-
-def span_groups(lengths: list[int], group_rows: int, min_saving: int) -> list[tuple[int, int, int]]:
-    """``(start, end, span)`` runs of rows, each attending up to its own longest row.
-
-    Rows come in runs of ``group_rows``; a run joins the one before it when attending both
-    over the longer span costs fewer than ``min_saving`` extra row-positions: a group costs
-    kernel launches and host work of its own, which only long spans repay.
-    """
-    groups: list[tuple[int, int, int]] = []
-    for start in range(0, len(lengths), group_rows):
-        end = min(start + group_rows, len(lengths))
-        span = _span(lengths[start:end])
-        if groups:
-            s0, _, span0 = groups[-1]
-            wide = max(span0, span)
-            extra = (start - s0) * (wide - span0) + (end - start) * (wide - span)
-            if extra < min_saving:
-                groups[-1] = (s0, end, wide)
-                continue
-        groups.append((start, end, span))
-    return groups
 
 
 class SlotLayer:

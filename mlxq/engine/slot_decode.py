@@ -64,7 +64,7 @@ class CompiledForward:
         self.cache = cache
 
         def forward(tokens: mx.array, positions: mx.array) -> mx.array:
-            span = cache.keys[0].shape[2]
+            span = cache.capacity  # traced again whenever the capacity (a state shape) grows
             mask = (mx.arange(span)[None] <= positions[:, None])[:, None, None, :]
             state = DecodeState(positions, [(0, cache.slots, span)], [mask], kernel)
             layers = [SlotLayer(cache, i, state) for i in range(cache.num_layers)]

@@ -36,7 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.sample_utils import make_logits_processors
 
-from mlxq.engine import mlx_lm_seam
+from mlxq.engine import mlx_lm_seam, slot_decode
 from mlxq.engine.attention import choose_kernel, quantized_kernel
 from mlxq.engine.constraints import ConstraintHook
 from mlxq.engine.hardware import backend_name
@@ -62,6 +62,7 @@ from mlxq.engine.slot_decode import (
     sample_step,
 )
 from mlxq.engine.slot_joins import Waiting, join_due, pick_group
+from mlxq.engine.slot_order import sorted_order
 from mlxq.engine.slot_prefill import prefill_group
 from mlxq.engine.stats import EngineStats
 from mlxq.wire import FinishReason, Request
@@ -72,6 +73,9 @@ OVERLAP_ENV = "MLXQ_SLOT_OVERLAP"
 # Joining jobs wait at most this many decode steps for their group to fill.
 # (Joining at once measured no better on the CPU, where a prefill call costs its tokens.)
 JOIN_WAIT_STEPS = 4
+# Every this many steps, see whether sorting the rows by length pays (slot_order).
+SORT_EVERY = 32
+SORT_ENV = "MLXQ_SLOT_SORT"
 
 
 class SlotEngine:
@@ -130,6 +134,9 @@ class SlotEngine:
             backend_name(), self.info.kv_bytes_per_token // self.info.num_layers
         )
         self.compiled = compile_default()
+        # Rows move into length order when that pays (not with the compiled forward, which
+        # attends the whole capacity anyway); MLXQ_SLOT_SORT=0 turns it off.
+        self.sorting = not self.compiled and os.environ.get(SORT_ENV, "1") == "1"
         log.info(
             "slot engine: %s decode attention%s, batch %d, steps overlapped: %s",
             self.attention,
@@ -249,12 +256,30 @@ class SlotEngine:
         Returns the jobs that finished in this step.
         """
         done = self._join() if self._join_due() else []
+        if self._steps % SORT_EVERY == 0 and self.sorting:
+            self._sort_rows()
         if self._rows:
             done += self._decode()
         elif self._inflight is not None:  # its rows all left (cancelled)
             self._inflight = None
         self._steps += 1
         return done
+
+    def _sort_rows(self) -> None:
+        """Move the rows into length order when that cuts attention reads enough
+        (:func:`~mlxq.engine.slot_order.sorted_order`); bookkeeping follows the rows."""
+        lengths = {slot: self._cache.lengths[slot] for slot in self._rows}
+        order = sorted_order(lengths, slot_decode.GROUP_ROWS, self._saving)
+        if order is None:
+            return
+        self._cache.permute(order)
+        rows = [self._rows[s] for s in order]
+        self._rows = {}
+        for slot, row in enumerate(rows):
+            row.slot = slot  # a step in flight finds its rows by identity and slot
+            self._rows[slot] = row
+            self._keys[row.run.job.key] = slot
+        self._stats.sorts += 1
 
     def _join_due(self) -> bool:
         free = self._cache.free_slots

@@ -25,6 +25,7 @@ class EngineStats:
     decode_seconds: float = 0.0
     decode_steps: int = 0
     launch_seconds: float = 0.0
+    sorts: int = 0  # times the slot engine moved its rows into length order
     prefix_hits: int = 0
     reused_tokens: int = 0
     stored_tokens: int = 0
