@@ -1,12 +1,14 @@
-"""What every mlxq command shares: the ``--redis-url`` option, connecting, failing."""
+"""What every mlxq command shares: the ``--redis-url`` option, connecting, failing, progress
+bars."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import socket
 import sys
-from collections.abc import Callable
-from typing import NoReturn
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 import click
 import redis
@@ -34,6 +36,15 @@ def fail(message: str, code: int = 1) -> NoReturn:
     """Print ``mlxq: error: MESSAGE`` on stderr and exit."""
     click.echo(f"mlxq: error: {message}", err=True)
     sys.exit(code)
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, label: str) -> Iterator[Any]:
+    """A click progress bar on stderr counting to ``total`` (position and ETA shown)."""
+    with click.progressbar(
+        length=total, label=label, file=sys.stderr, show_pos=True, show_eta=True, width=30
+    ) as bar:
+        yield bar
 
 
 def describe_url(url: str) -> str:

@@ -296,6 +296,11 @@ class MlxqWorker(BaseWorker):
             )
         if not self.inflight and self.get_state() == WorkerStatus.BUSY:
             self.set_state(WorkerStatus.IDLE)
+        if completions and not self.inflight:
+            # Publish the emptied batch now: an idle worker next blocks on its queues, and
+            # readers would see the last running batch until that returns.
+            self._last_report = 0.0
+            self._report_if_due()
 
     def _fail(
         self, job: Job, queue: Queue, execution, result: Result, reason: str = "error"

@@ -1,0 +1,229 @@
+"""Reading a batch: ``mlxq results`` (write its results), ``mlxq status`` (its counts), and
+waiting on it with a progress bar (``--wait``)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import click
+import redis
+
+from mlxq.broker import batches as q
+from mlxq.broker import fleet
+from mlxq.cli.fleet import print_queue_overview
+from mlxq.cli.support import connect, fail, progress_bar, redis_option
+from mlxq.cli.tables import emit_table
+from mlxq.formats.openai_output import ENDPOINTS, is_error, to_openai_line
+from mlxq.formats.table_output import TABLE_FORMATS
+from mlxq.wire import BatchStatus, Result, json_encoder
+
+
+# -- waiting -----------------------------------------------------------------------------
+def wait_with_progress(conn: redis.Redis, batch_id: str, timeout: float | None) -> BatchStatus:
+    """Wait for a batch with a progress bar on stderr; exit 1 on ``timeout``."""
+    info = q.get_batch(conn, batch_id)
+    start = time.monotonic()
+    with progress_bar(info.total, f"batch {batch_id}") as bar:
+
+        def progress(s: BatchStatus) -> None:
+            if sys.stderr.isatty():  # a changing label reprints the line when piped
+                tps = _queue_tps(conn, info.queue)
+                bar.label = (
+                    f"batch {batch_id} ({s.started} running, {s.failed} failed, {tps:,.0f} tok/s)"
+                )
+            bar.update(s.done - bar.pos)
+
+        try:
+            status = q.wait_for_batch(conn, batch_id, timeout=timeout, on_progress=progress)
+        except TimeoutError as e:
+            fail(str(e))
+    rate = status.total / max(1e-9, time.monotonic() - start)
+    click.echo(
+        f"batch {batch_id}: {status.finished} finished, {status.failed} failed "
+        f"({rate:.1f} requests/s)",
+        err=True,
+    )
+    return status
+
+
+def _queue_tps(conn: redis.Redis, queue: str) -> float:
+    """Recent tokens/s of the live workers serving ``queue`` (what they publish)."""
+    try:
+        return sum(w.recent_tps for w in fleet.live_workers(conn) if queue in w.queues)
+    except redis.RedisError:
+        return 0.0
+
+
+# -- writing results ---------------------------------------------------------------------
+@dataclass
+class OutputFormat:
+    """How results are written: mlxq's own lines, or OpenAI Batch output + error lines."""
+
+    kind: str = "mlxq"
+    endpoint: str = "/v1/chat/completions"
+    errors: str | None = None  # openai: where error lines go (default: beside the output)
+
+    def line(self, result: Result) -> tuple[bool, str]:
+        """(is_error_line, JSON text) of one result."""
+        if self.kind == "mlxq":
+            return False, json_encoder.encode(result).decode()
+        data = to_openai_line(result, self.endpoint)
+        return is_error(result), json_encoder.encode(data).decode()
+
+
+def _write_results(
+    conn: redis.Redis, batch_id: str, out: TextIO, err: TextIO, fmt: OutputFormat
+) -> tuple[int, int]:
+    written = missing = 0
+    for result in q.iter_batch_results(conn, batch_id):
+        if result is None:
+            missing += 1
+            continue
+        to_errors, text = fmt.line(result)
+        (err if to_errors else out).write(text + "\n")
+        written += 1
+    return written, missing
+
+
+def emit_results(
+    conn: redis.Redis, batch_id: str, output: str, fmt: OutputFormat | None = None
+) -> None:
+    fmt = fmt or OutputFormat()
+    errors = fmt.errors or (_errors_path(output) if fmt.kind == "openai" else output)
+    for path in {output, errors} - {"-"}:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with click.open_file(output, "w") as out, _same_or_open(errors, output, out) as err:
+        written, missing = _write_results(conn, batch_id, out, err, fmt)
+    if output != "-":
+        also = f" (errors in {errors})" if errors != output else ""
+        click.echo(f"wrote {written} results to {output}{also}", err=True)
+    if missing:
+        fail(
+            f"{missing} of {written + missing} requests are not done yet; "
+            f"rerun with --wait to wait for them"
+        )
+
+
+def _errors_path(output: str) -> str:
+    if output == "-":
+        return "-"
+    p = Path(output)
+    return str(p.with_name(p.stem + "_errors" + (p.suffix or ".jsonl")))
+
+
+@contextlib.contextmanager
+def _same_or_open(path: str, output: str, out: TextIO) -> Iterator[TextIO]:
+    if path == output:
+        yield out
+    else:
+        with click.open_file(path, "w") as f:
+            yield f
+
+
+# -- the results and status commands -----------------------------------------------------
+@click.command()
+@click.argument("batch_id")
+@click.option(
+    "-o",
+    "--output",
+    default="-",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    show_default=True,
+    help="Where to write the JSONL results.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["mlxq", "openai", *TABLE_FORMATS]),
+    default="mlxq",
+    show_default=True,
+    help="mlxq result lines, OpenAI Batch output lines (failed requests go to an "
+    "errors file, as OpenAI's error_file), or a CSV/Parquet table (one row per request).",
+)
+@click.option(
+    "--endpoint",
+    type=click.Choice(ENDPOINTS),
+    default=ENDPOINTS[0],
+    show_default=True,
+    help="With --format openai: the response body shape.",
+)
+@click.option(
+    "--errors",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    help="With --format openai: where error lines go [default: OUTPUT_errors.jsonl].",
+)
+@click.option("--with-input", is_flag=True, help="With csv/parquet: add the input row's columns.")
+@click.option("--wait", is_flag=True, help="Wait for the batch to finish, with a progress bar.")
+@click.option("--timeout", type=float, help="With --wait: give up after this many seconds.")
+@redis_option
+def results(
+    batch_id: str,
+    output: str,
+    fmt: str,
+    endpoint: str,
+    errors: str | None,
+    with_input: bool,
+    wait: bool,
+    timeout: float | None,
+    redis_url: str,
+) -> None:
+    """Write a batch's results, one line (or table row) per request in input order."""
+    if with_input and fmt not in TABLE_FORMATS:
+        fail("--with-input applies to --format csv or parquet")
+    conn = connect(redis_url)
+    try:
+        if wait:
+            wait_with_progress(conn, batch_id, timeout)
+        if fmt in TABLE_FORMATS:
+            emit_table(conn, batch_id, output, fmt, with_input)
+            return
+        emit_results(conn, batch_id, output, OutputFormat(fmt, endpoint, errors))
+    except q.BatchNotFound as e:
+        fail(str(e))
+
+
+@click.command()
+@click.argument("batch_id", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
+@redis_option
+def status(batch_id: str | None, as_json: bool, redis_url: str) -> None:
+    """Counts of a batch's jobs: total, queued, started, finished, failed.
+
+    Without BATCH_ID: every queue with its depth and the oldest job's age.
+    """
+    conn = connect(redis_url)
+    if batch_id is None:
+        print_queue_overview(conn, as_json)
+        return
+    try:
+        s = q.batch_status(conn, batch_id)
+    except q.BatchNotFound as e:
+        fail(str(e))
+    if as_json:
+        click.echo(json_encoder.encode(s).decode())
+        return
+    click.echo(
+        f"batch {batch_id}: {s.done}/{s.total} done — {s.queued} queued, {s.started} "
+        f"running, {s.finished} finished, {s.failed} failed, {s.cancelled} cancelled"
+    )
+    if s.state != "submitted":
+        click.echo(_incomplete(s, q.get_batch(conn, batch_id).source))
+
+
+def _incomplete(s: BatchStatus, source: str | None) -> str:
+    """What to say of a batch not fully enqueued."""
+    head = f"batch {s.batch_id}: only {s.enqueued} of {s.total} requests were enqueued"
+    if s.state == "cancelled":
+        return f"{head}; it was cancelled while being submitted"
+    if s.submitter_alive:
+        return f"batch {s.batch_id}: still being submitted ({s.enqueued} of {s.total} enqueued)"
+    return (
+        f"{head}: its submit stopped; finish it with `mlxq submit {source or 'FILE'} "
+        f"--resume {s.batch_id}`, or remove it with `mlxq cancel {s.batch_id}`"
+    )

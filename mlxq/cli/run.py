@@ -1,0 +1,126 @@
+"""``mlxq run``: run a file through a model on this machine, on an embedded Valkey unless a
+Redis is given."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from typing import Any
+
+import click
+
+from mlxq.broker import batches as q
+from mlxq.broker import keys
+from mlxq.cli.results import emit_results
+from mlxq.cli.submit import read_file
+from mlxq.cli.support import connect, fail, progress_bar
+from mlxq.cli.tables import input_options
+from mlxq.cli.worker import STALLED_EXIT, setup_logging, worker_options, worker_profile
+from mlxq.formats.tables import InputOptions
+from mlxq.wire import Result, json_encoder
+
+
+@click.command()
+@click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
+@worker_options
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(dir_okay=False, allow_dash=True),
+    help="Where to write the JSONL results.",
+)
+@click.option("--skip-invalid", is_flag=True, help="Run the valid lines and report the rest.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary when done.")
+@click.option(
+    "--redis-url",
+    envvar=keys.ENV_REDIS_URL,
+    show_envvar=True,
+    help="Use this Redis instead of a private embedded Valkey.",
+)
+@input_options
+def run(
+    file: str,
+    profile: str | None,
+    log_level: str,
+    log_format: str,
+    output: str,
+    skip_invalid: bool,
+    as_json: bool,
+    redis_url: str | None,
+    inputs: InputOptions,
+    **settings: Any,
+) -> None:
+    """Run a JSONL FILE (or a CSV/Parquet table, see `mlxq submit`) through a model on this
+    machine and write the results.
+
+    With no --redis-url (or MLXQ_REDIS_URL) it starts an embedded Valkey, submits the
+    batch, serves it with an in-process worker, writes OUTPUT and stops the server.
+    """
+    from mlxq.server import embedded
+    from mlxq.worker.launch import Setup, run_worker
+    from mlxq.worker.watchdog import EngineStalled
+
+    # A progress bar shows the run; per-job log lines would drown it.
+    log_level = "WARNING" if log_level.upper() == "INFO" else log_level
+    setup_logging(log_level, log_format)
+    prof = worker_profile(profile, **settings)
+    parsed = read_file(file, skip_invalid, inputs)
+    # The model loads before the batch exists: a model that cannot load leaves nothing.
+    setup = Setup(prof)
+    click.echo(f"loading {prof.model}", err=True)
+    setup.start()
+    server = contextlib.nullcontext(redis_url) if redis_url else embedded()
+    with server as url:
+        conn = connect(url, writes_jobs=True)
+        batch_id = q.new_batch_id()
+        queue_name = f"run-{batch_id}"  # private: this run's worker drains exactly this batch
+        q.submit(
+            conn,
+            parsed.requests,
+            queue=queue_name,
+            batch_id=batch_id,
+            source=file,
+            model=prof.model,
+        )
+        click.echo(
+            f"running {len(parsed.requests)} requests on {prof.model} (batch {batch_id})", err=True
+        )
+        start, tokens = time.monotonic(), [0]
+        with progress_bar(len(parsed.requests), "generating") as bar:
+
+            def on_finish(result: Result) -> None:
+                tokens[0] += result.usage.completion_tokens
+                if sys.stderr.isatty():  # a changing label reprints the line when piped
+                    rate = tokens[0] / (time.monotonic() - start)
+                    bar.label = f"generating ({rate:.0f} tok/s)"
+                bar.update(1)
+
+            try:
+                run_worker(
+                    prof,
+                    conn,
+                    burst=True,
+                    queues=[queue_name],
+                    on_finish=on_finish,
+                    log_level=log_level,
+                    setup=setup,
+                )
+            except EngineStalled as e:
+                fail(f"engine stalled: {e}; rerun (the batch is {batch_id})", code=STALLED_EXIT)
+        s = q.batch_status(conn, batch_id)
+        elapsed = time.monotonic() - start
+        click.echo(f"{s.finished} finished, {s.failed} failed in {elapsed:.1f}s", err=True)
+        emit_results(conn, batch_id, output)
+    if as_json:  # a summary for scripts, after the results are safely written
+        summary = {
+            "batch_id": batch_id,
+            "total": s.total,
+            "finished": s.finished,
+            "failed": s.failed,
+            "generated_tokens": tokens[0],
+            "seconds": round(elapsed, 3),
+            "output": output,
+        }
+        click.echo(json_encoder.encode(summary).decode())

@@ -1,0 +1,192 @@
+"""``mlxq submit``: enqueue a JSONL file or a table as one batch (and the input reading
+``mlxq run`` shares)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+import redis
+
+from mlxq.broker import batches as q
+from mlxq.broker import keys
+from mlxq.cli.results import emit_results, wait_with_progress
+from mlxq.cli.support import connect, fail, progress_bar, redis_option
+from mlxq.cli.tables import input_options
+from mlxq.formats.tables import InputOptions
+from mlxq.wire import json_encoder
+
+
+def read_file(path: str, skip_invalid: bool, inputs: InputOptions | None = None):  # -> ParsedInput
+    from mlxq.formats.inputs import InputFileError
+    from mlxq.formats.tables import error_place, read_input
+
+    try:
+        parsed = read_input(path, inputs or InputOptions(), skip_invalid=skip_invalid)
+    except InputFileError as e:
+        what = "rows" if inputs and inputs.is_table(path) else "lines"
+        fail(f"{e}\nnothing was enqueued; fix the {what} above or pass --skip-invalid")
+    except OSError as e:
+        fail(f"cannot read {path}: {e.strerror or e}")
+    for err in parsed.errors:
+        click.echo(f"skipped {error_place(path, inputs, err.line)}: {err.message}", err=True)
+    return parsed
+
+
+@click.command()
+@click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
+@click.option(
+    "--queue", "queue_name", help="Queue to submit to [default: the model's, or 'default']."
+)
+@click.option("--model", help="Model the batch is for; names the default queue.")
+@click.option("--skip-invalid", is_flag=True, help="Enqueue the valid lines and report the rest.")
+@click.option(
+    "--retries",
+    type=click.IntRange(0, 20),
+    default=0,
+    show_default=True,
+    help="Times to retry a job that fails.",
+)
+@click.option(
+    "--job-timeout",
+    type=click.IntRange(1),
+    default=keys.DEFAULT_JOB_TIMEOUT,
+    show_default=True,
+    help="Seconds one generation may run.",
+)
+@click.option(
+    "--result-ttl",
+    type=click.IntRange(60),
+    default=keys.DEFAULT_RESULT_TTL,
+    show_default=True,
+    help="Seconds results are kept in Redis.",
+)
+@click.option(
+    "--expires-in",
+    type=click.FloatRange(1),
+    help="Seconds after which requests that have not started are not run "
+    "(their results say 'expired').",
+)
+@click.option(
+    "--resume",
+    metavar="BATCH",
+    help="Enqueue the rest of a batch whose submit was interrupted (same FILE; the batch "
+    "keeps its own queue and settings).",
+)
+@click.option("--wait", is_flag=True, help="Wait for the batch, with a progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print the batch record as JSON.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    help="With --wait: write the results here (JSONL).",
+)
+@click.option("--timeout", type=float, help="With --wait: give up after this many seconds.")
+@input_options
+@redis_option
+def submit(
+    file: str,
+    queue_name: str | None,
+    model: str | None,
+    skip_invalid: bool,
+    retries: int,
+    job_timeout: int,
+    result_ttl: int,
+    expires_in: float | None,
+    resume: str | None,
+    wait: bool,
+    as_json: bool,
+    output: str | None,
+    timeout: float | None,
+    redis_url: str,
+    inputs: InputOptions,
+) -> None:
+    """Enqueue every request of a JSONL FILE, or every row of a table, as one batch; prints
+    the batch id first (on stderr, before enqueueing) and last.
+
+    Lines are mlxq requests ({"prompt"|"messages", "max_tokens", ...}) or OpenAI Batch API
+    lines ({"custom_id", "method", "url", "body"}). A CSV or Parquet FILE (or JSONL with
+    --template) is a table: each row's prompt is --template filled from its columns. Any
+    invalid line or row refuses the whole file (nothing is enqueued) unless --skip-invalid.
+    A submit cut short leaves its batch `submitting`: finish it with --resume BATCH (same
+    FILE and options), or remove it with `mlxq cancel BATCH`.
+    """
+    if output and not wait:
+        fail("-o/--output needs --wait (or collect later with `mlxq results BATCH -o FILE`)")
+    if resume:
+        _refuse_settings_with_resume(click.get_current_context())
+    parsed = read_file(file, skip_invalid, inputs)
+    conn = connect(redis_url, writes_jobs=True)
+    if resume:
+        info = _resume(conn, resume, parsed.requests)
+    else:
+        info = _submit_new(
+            conn,
+            file,
+            parsed.requests,
+            queue=queue_name or keys.queue_name_for_model(model),
+            retries=retries,
+            job_timeout=job_timeout,
+            result_ttl=result_ttl,
+            expires_in=expires_in,
+            model=model,
+        )
+    if as_json:
+        click.echo(json_encoder.encode(info).decode())
+    else:
+        click.echo(
+            f"submitted {info.total} requests to queue {info.queue!r} as batch {info.batch_id}"
+        )
+    if wait:
+        _wait_and_write(conn, info.batch_id, output, timeout)
+
+
+_BATCH_SETTINGS = ("queue_name", "model", "retries", "job_timeout", "result_ttl", "expires_in")
+
+
+def _refuse_settings_with_resume(ctx: click.Context) -> None:
+    given = [
+        f"--{name.replace('_name', '').replace('_', '-')}"
+        for name in _BATCH_SETTINGS
+        if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
+    ]
+    if given:
+        fail(f"--resume keeps the batch's own settings; drop {', '.join(given)}")
+
+
+def _submit_new(conn: redis.Redis, file: str, requests: list, **settings: Any):  # -> BatchInfo
+    def created(info: Any) -> None:
+        click.echo(
+            f"batch {info.batch_id}: enqueueing {info.total} requests to queue {info.queue!r} "
+            f"(if this stops, finish with `mlxq submit {file} --resume {info.batch_id}`)",
+            err=True,
+        )
+
+    with progress_bar(len(requests), "enqueueing") as bar:
+        try:
+            return q.submit(
+                conn, requests, source=file, on_progress=bar.update, on_created=created, **settings
+            )
+        except q.BatchCancelled as e:
+            fail(f"{e}; its enqueued requests were cancelled")
+
+
+def _resume(conn: redis.Redis, batch_id: str, requests: list):  # -> BatchInfo
+    with progress_bar(len(requests), f"resuming {batch_id}") as bar:
+        try:
+            info, already = q.resume(conn, batch_id, requests, on_progress=bar.update)
+        except (q.BatchNotFound, q.ResumeRefused, q.BatchCancelled) as e:
+            fail(str(e))
+    click.echo(
+        f"batch {batch_id}: {already} requests were enqueued before, {info.total - already} now",
+        err=True,
+    )
+    return info
+
+
+def _wait_and_write(
+    conn: redis.Redis, batch_id: str, output: str | None, timeout: float | None
+) -> None:
+    wait_with_progress(conn, batch_id, timeout)
+    if output:
+        emit_results(conn, batch_id, output)
