@@ -19,7 +19,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_tokenizer
 from test_engine import REQUESTS, FlakyModel, check_against_reference, reference, run_all
 
-from mlxq.engine import slot_decode, slot_engine, slot_order
+from mlxq.engine import slot_choices, slot_decode, slot_engine, slot_order
 from mlxq.engine.attention import KERNELS, choose_kernel, fused_decode, gqa_decode
 from mlxq.engine.factory import make_engine
 from mlxq.engine.mlx_lm_batch import Engine
@@ -76,7 +76,7 @@ def test_overlapped_steps_equal_single_requests(
     model, tokenizer = tiny
     monkeypatch.setenv("MLXQ_SLOT_OVERLAP", overlap)
     engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=4, prefill_batch=2)
-    assert engine.overlap is (overlap == "1")
+    assert engine.choices.overlap is (overlap == "1")
     done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, 2)
     check_against_reference(tiny, engine, done)
     assert engine._cache.free_slots == 4
@@ -97,7 +97,7 @@ def test_groups_of_slots_equal_single_requests(tiny, monkeypatch: pytest.MonkeyP
     """Rows attending in groups of two, each over its own span, give the same tokens."""
     model, tokenizer = tiny
     monkeypatch.setattr(slot_decode, "GROUP_ROWS", 2)
-    monkeypatch.setenv(slot_decode.SPLIT_ENV, "0")
+    monkeypatch.setenv(slot_choices.SPLIT_ENV, "0")
     engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=8, prefill_batch=2)
     done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, 1)
     check_against_reference(tiny, engine, done)
@@ -117,7 +117,7 @@ def test_rows_sorted_mid_run_equal_single_requests(tiny, monkeypatch: pytest.Mon
     keep their tokens: the cache, the bookkeeping and a step in flight follow them."""
     model, tokenizer = tiny
     monkeypatch.setattr(slot_decode, "GROUP_ROWS", 2)
-    monkeypatch.setenv(slot_decode.SPLIT_ENV, "0")
+    monkeypatch.setenv(slot_choices.SPLIT_ENV, "0")
     monkeypatch.setattr(slot_engine, "SORT_EVERY", 1)
     monkeypatch.setattr(slot_order, "SORT_GAIN", 0.999)
     for overlap in ("1", "0"):
@@ -149,11 +149,11 @@ def test_compiled_forward_equals_single_requests_as_the_cache_grows(
     """The compiled decode forward (the CUDA default) retraces as capacity grows, and
     gives the same tokens as the eager one."""
     model, tokenizer = tiny
-    monkeypatch.setenv(slot_decode.COMPILE_ENV, compiled)
+    monkeypatch.setenv(slot_choices.COMPILE_ENV, compiled)
     monkeypatch.setattr(slot_engine, "SlotCache", _GrowingCache)
     monkeypatch.setattr(_GrowingCache, "sizes", [])
     engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=4, prefill_batch=2)
-    assert engine.compiled is (compiled == "1")
+    assert engine.choices.compiled is (compiled == "1")
     done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, 2)
     check_against_reference(tiny, engine, done)
     assert len(_GrowingCache.sizes) >= 3  # it grew while rows decoded
@@ -191,12 +191,12 @@ def test_quantized_slot_cache_equals_mlx_lm_quantized_single_requests(
     """With kv_bits, batched greedy output (jobs joining and leaving) equals mlx-lm's
     single-request greedy output over its QuantizedKVCache, token for token (also through
     the compiled forward)."""
-    monkeypatch.setenv(slot_decode.COMPILE_ENV, compiled)
+    monkeypatch.setenv(slot_choices.COMPILE_ENV, compiled)
     model, tokenizer = wide_heads
     sizes = {"max_batch": 4, "prefill_batch": 2}
     plain = SlotEngine.from_loaded(model, tokenizer, "wide", **sizes)
     engine = SlotEngine.from_loaded(model, tokenizer, "wide", kv_bits=bits, **sizes)
-    assert engine.attention == f"{bits}-bit quantized"
+    assert engine.choices.attention == f"{bits}-bit quantized"
     jobs = {str(i): r for i, r in enumerate(REQUESTS)}
     done, plain_done = run_all(engine, jobs, 2), run_all(plain, jobs, 2)
     for i, request in enumerate(REQUESTS):

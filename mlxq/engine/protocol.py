@@ -79,7 +79,13 @@ class BatchEngine(Protocol):
 class BatchLogitsHook(Protocol):
     """Logits processing over the whole batch, once per decode step (slot engine only).
 
-    See :mod:`mlxq.engine.slot_engine` for when each method is called.
+    After the per-row processors (repetition penalty) and before sampling, ``process``
+    gets the step's ``[rows, vocab]`` logits (one row per decoding job, in slot order;
+    free slots already dropped) with ``rows`` the jobs' keys, and returns new logits (e.g.
+    a grammar mask filled once for all constrained rows, applied on the device). After
+    sampling, ``accept`` gets each row's chosen token (EOS included) so a matcher can
+    advance. A hook hears of a job when it starts decoding (``admit``) and when it leaves,
+    for any reason (``release``).
     """
 
     def admit(self, key: str, request: Request) -> None:

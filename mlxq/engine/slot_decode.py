@@ -17,7 +17,6 @@ forward still computes while the host advances the matchers.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,22 +31,6 @@ from mlxq.wire import TokenLogprob
 
 # Rows per attention group (each attends up to its own longest row).
 GROUP_ROWS = 64
-SPLIT_ENV = "MLXQ_SPLIT_BYTES"
-# Bytes of one layer's keys and values a group must save the step to be kept apart from
-# its neighbour: each group costs kernel launches and host work (a guess per backend, from
-# launch costs and memory bandwidth; MLXQ_SPLIT_BYTES overrides, 0 splits always).
-SPLIT_BYTES = {"cuda": 64 << 20, "metal": 8 << 20, "cpu": 1 << 20}
-
-
-COMPILE_ENV = "MLXQ_SLOT_COMPILE"
-
-
-def compile_default() -> bool:
-    """Whether decode steps run the model through :class:`CompiledForward`: off unless
-    ``MLXQ_SLOT_COMPILE=1``. On the H200 it did not cut the host's time per step (5.7
-    against 5.8 ms) and each new cache shape cost a long kernel compile (bench/RESULTS.md);
-    the CPU pays for its whole-capacity span; Metal is unmeasured."""
-    return os.environ.get(COMPILE_ENV, "0") == "1"
 
 
 class CompiledForward:
@@ -76,13 +59,6 @@ class CompiledForward:
     def __call__(self, tokens: mx.array, positions: mx.array) -> mx.array:
         """Logits ``[slots, vocab]`` of one decode step; writes each row's new key/value."""
         return self._fn(tokens, positions)
-
-
-def min_saving(backend: str, layer_bytes_per_position: int) -> int:
-    """Row-positions a group split must save on this backend (see :data:`SPLIT_BYTES`)."""
-    split = os.environ.get(SPLIT_ENV)
-    limit = int(split) if split is not None else SPLIT_BYTES.get(backend, 1 << 20)
-    return limit // max(1, layer_bytes_per_position)
 
 
 @dataclass(eq=False)
@@ -140,8 +116,8 @@ def run_forward(
     """The model's part of a decode step of ``rows`` (slot order): their logits, lazily.
 
     Inputs of rows in ``prev`` come from its sampled tokens on the device; ``saving``: see
-    :func:`min_saving`; with ``forward`` the model runs compiled over every slot. Advances
-    each row's cache length by one.
+    :class:`~mlxq.engine.slot_choices.DecodeChoices`; with ``forward`` the model runs
+    compiled over every slot. Advances each row's cache length by one.
     """
     width = cache.slots if forward is not None else rows[-1].slot + 1
     by_slot: list[Row | None] = [None] * width

@@ -9,15 +9,8 @@ work. Joining jobs wait until a group of them is worth a prefill call
 (:mod:`mlxq.engine.slot_prefill`) and written into free slots; each decode step
 (:mod:`mlxq.engine.slot_decode`) then feeds every row one token at its own position.
 
-Per-step logits processing over the whole batch: ``hooks`` is a list of
-:class:`~mlxq.engine.protocol.BatchLogitsHook`. After the per-row processors
-(repetition penalty) and before sampling, each hook's ``process(logits, rows)`` gets the
-step's ``[rows, vocab]`` logits (one row per decoding job, in slot order; free slots are
-already dropped) with ``rows`` the jobs' keys, and returns new logits (e.g. a grammar
-mask filled once for all constrained rows, applied on the device). After sampling,
-``accept(rows, tokens)`` gets each row's chosen token (EOS included) so a matcher can
-advance. A hook hears of a job when it starts decoding (``admit(key, request)``) and
-when it leaves, for any reason (``release(key)``).
+Per-step logits processing over the whole batch: ``hooks``, see
+:class:`~mlxq.engine.protocol.BatchLogitsHook`.
 
 With ``prefix_cache_bytes``, a job starts from the stored KV of a recurring prompt prefix
 (:mod:`mlxq.engine.prefix_cache`): the prefix is written into its group's rows and only
@@ -28,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from typing import Any
 
@@ -37,7 +29,6 @@ import mlx.nn as nn
 from mlx_lm.sample_utils import make_logits_processors
 
 from mlxq.engine import mlx_lm_seam, slot_decode
-from mlxq.engine.attention import choose_kernel, quantized_kernel
 from mlxq.engine.constraints import ConstraintHook
 from mlxq.engine.hardware import backend_name
 from mlxq.engine.model_facts import model_info
@@ -52,12 +43,11 @@ from mlxq.engine.sampling import (
     make_job_sampler,
 )
 from mlxq.engine.slot_cache import SlotCache
+from mlxq.engine.slot_choices import DecodeChoices
 from mlxq.engine.slot_decode import (
     CompiledForward,
     Row,
     Step,
-    compile_default,
-    min_saving,
     run_forward,
     sample_step,
 )
@@ -69,13 +59,11 @@ from mlxq.wire import FinishReason, Request
 
 log = logging.getLogger("mlxq.engine.slot_engine")
 
-OVERLAP_ENV = "MLXQ_SLOT_OVERLAP"
 # Joining jobs wait at most this many decode steps for their group to fill.
 # (Joining at once measured no better on the CPU, where a prefill call costs its tokens.)
 JOIN_WAIT_STEPS = 4
 # Every this many steps, see whether sorting the rows by length pays (slot_order).
 SORT_EVERY = 32
-SORT_ENV = "MLXQ_SLOT_SORT"
 
 
 class SlotEngine:
@@ -119,31 +107,10 @@ class SlotEngine:
         # Structured outputs (response_format) are one more batch hook.
         self._constraints = ConstraintHook.for_model(model, tokenizer)
         self.hooks = [*(hooks or []), self._constraints]
-        self.attention, self._kernel = choose_kernel(backend_name(), attention)
-        self.kv_bits, self._kv_group = kv_bits, 64
-        if kv_bits is not None:
-            self._kv_group, self._kernel = quantized_kernel(kv_bits, self.info.head_dim)
-            self.attention = f"{kv_bits}-bit quantized"
+        self.choices = DecodeChoices.choose(backend_name(), self.info, attention, kv_bits)
+        self.kv_bits = kv_bits
         self.join_wait = JOIN_WAIT_STEPS
-        # Build the next step while the last one runs, although its cache writes then copy:
-        # 1.07-1.08x on CUDA (bench/RESULTS.md); on the CPU the copies cost 20x a step.
-        # MLXQ_SLOT_OVERLAP=1/0 overrides.
-        overlap = os.environ.get(OVERLAP_ENV, "1" if backend_name() == "cuda" else "0")
-        self.overlap = overlap == "1"
-        self._saving = min_saving(
-            backend_name(), self.info.kv_bytes_per_token // self.info.num_layers
-        )
-        self.compiled = compile_default()
-        # Rows move into length order when that pays (not with the compiled forward, which
-        # attends the whole capacity anyway); MLXQ_SLOT_SORT=0 turns it off.
-        self.sorting = not self.compiled and os.environ.get(SORT_ENV, "1") == "1"
-        log.info(
-            "slot engine: %s decode attention%s, batch %d, steps overlapped: %s",
-            self.attention,
-            " (compiled forward)" if self.compiled else "",
-            max_batch,
-            self.overlap,
-        )
+        log.info("slot engine: batch %d, %s", max_batch, self.choices.describe())
         self._eos = set(tokenizer.eos_token_ids)
         self._new_cache()
         self._rows: dict[int, Row] = {}  # by slot
@@ -242,10 +209,15 @@ class SlotEngine:
 
     def _new_cache(self) -> None:
         self._cache = SlotCache(
-            self.info.num_layers, self.max_batch, bits=self.kv_bits, group_size=self._kv_group
+            self.info.num_layers,
+            self.max_batch,
+            bits=self.kv_bits,
+            group_size=self.choices.kv_group,
         )
         self._forward = (
-            CompiledForward(self.model, self._cache, self._kernel) if self.compiled else None
+            CompiledForward(self.model, self._cache, self.choices.kernel)
+            if self.choices.compiled
+            else None
         )
 
     # -- running --
@@ -256,7 +228,7 @@ class SlotEngine:
         Returns the jobs that finished in this step.
         """
         done = self._join() if self._join_due() else []
-        if self._steps % SORT_EVERY == 0 and self.sorting:
+        if self._steps % SORT_EVERY == 0 and self.choices.sorting:
             self._sort_rows()
         if self._rows:
             done += self._decode()
@@ -269,7 +241,7 @@ class SlotEngine:
         """Move the rows into length order when that cuts attention reads enough
         (:func:`~mlxq.engine.slot_order.sorted_order`); bookkeeping follows the rows."""
         lengths = {slot: self._cache.lengths[slot] for slot in self._rows}
-        order = sorted_order(lengths, slot_decode.GROUP_ROWS, self._saving)
+        order = sorted_order(lengths, slot_decode.GROUP_ROWS, self.choices.saving)
         if order is None:
             return
         self._cache.permute(order)
@@ -347,15 +319,15 @@ class SlotEngine:
         prev, rows = self._inflight, self._launchable()
         sync = hooks_act or any(r.processors for r in rows)
         step, logits = None, None
-        if prev is not None and not self.overlap:
+        if prev is not None and not self.choices.overlap:
             # Wait for it (not for its bookkeeping): while a computation that reads the
             # cache is pending, the next step's writes would copy every layer's cache.
             mx.eval(prev.sampled, prev.logprobs)
         if rows:
             built = time.perf_counter()
-            args = (self.model, self._cache, self._kernel, rows, prev)
+            args = (self.model, self._cache, self.choices.kernel, rows, prev)
             try:
-                logits = run_forward(*args, self._saving, self._forward)
+                logits = run_forward(*args, self.choices.saving, self._forward)
                 if sync:
                     mx.async_eval(logits)
                 else:

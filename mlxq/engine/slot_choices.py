@@ -1,0 +1,77 @@
+"""What the slot engine's decode steps run with: chosen once at start from the backend
+(each choice measured, bench/RESULTS.md), logged, and overridable from the environment.
+
+- attention: :func:`~mlxq.engine.attention.choose_kernel` (``MLXQ_DECODE_ATTENTION``), or
+  the quantized kernel for a quantized cache (``kv_bits``);
+- overlap (``MLXQ_SLOT_OVERLAP``): build the next step while the last one runs, although
+  its cache writes then copy: 1.07-1.08x on CUDA; on the CPU the copies cost 20x a step;
+- group splits (``MLXQ_SPLIT_BYTES``): the bytes of one layer's keys and values a group
+  of rows must save to attend apart from its neighbour (a group costs kernel launches and
+  host work); 0 splits always;
+- the compiled forward (``MLXQ_SLOT_COMPILE=1``): off, it did not cut the host's time per
+  step on the H200 (5.7 against 5.8 ms) and each new cache shape cost a long kernel
+  compile; the CPU pays for its whole-capacity span; Metal is unmeasured;
+- sorting rows by length (``MLXQ_SLOT_SORT=0`` turns it off; never with the compiled
+  forward, which attends the whole capacity anyway).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from mlxq.engine.attention import Kernel, choose_kernel, quantized_kernel
+from mlxq.wire import ModelInfo
+
+OVERLAP_ENV = "MLXQ_SLOT_OVERLAP"
+SPLIT_ENV = "MLXQ_SPLIT_BYTES"
+COMPILE_ENV = "MLXQ_SLOT_COMPILE"
+SORT_ENV = "MLXQ_SLOT_SORT"
+# A guess per backend, from launch costs and memory bandwidth (CUDA measured: merging the
+# groups of a 1B model ran 1.05x).
+SPLIT_BYTES = {"cuda": 64 << 20, "metal": 8 << 20, "cpu": 1 << 20}
+
+
+@dataclass(frozen=True)
+class DecodeChoices:
+    """The decode settings of one engine (module docstring)."""
+
+    attention: str
+    kernel: Kernel
+    kv_group: int  # quantization group of a quantized cache
+    overlap: bool
+    saving: int  # row-positions a group split must save
+    compiled: bool
+    sorting: bool
+
+    @classmethod
+    def choose(
+        cls, backend: str, info: ModelInfo, attention: str | None, kv_bits: int | None
+    ) -> DecodeChoices:
+        """The choices for ``info``'s model on ``backend``; raises ``ValueError`` for an
+        unknown attention or a cache that cannot be quantized as asked."""
+        name, kernel = choose_kernel(backend, attention)
+        group = 64
+        if kv_bits is not None:
+            group, kernel = quantized_kernel(kv_bits, info.head_dim)
+            name = f"{kv_bits}-bit quantized"
+        env = os.environ.get
+        compiled = env(COMPILE_ENV, "0") == "1"
+        split = env(SPLIT_ENV)
+        limit = int(split) if split is not None else SPLIT_BYTES.get(backend, 1 << 20)
+        return cls(
+            attention=name,
+            kernel=kernel,
+            kv_group=group,
+            overlap=env(OVERLAP_ENV, "1" if backend == "cuda" else "0") == "1",
+            saving=limit // max(1, info.kv_bytes_per_token // max(1, info.num_layers)),
+            compiled=compiled,
+            sorting=not compiled and env(SORT_ENV, "1") == "1",
+        )
+
+    def describe(self) -> str:
+        """One log line's worth."""
+        return (
+            f"{self.attention} decode attention{' (compiled forward)' if self.compiled else ''}"
+            f", steps overlapped: {self.overlap}, rows sorted by length: {self.sorting}"
+        )
