@@ -38,17 +38,29 @@ DEFAULT_KERNEL = {"cuda": "gqa", "metal": "fused", "cpu": "fused"}
 _MASKED = -1e30  # finite, so exp() underflows to 0 without inf - inf = NaN
 
 
-def gqa_decode(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array) -> mx.array:
-    """Grouped-query attention for one query per row (see the module docstring)."""
+def _grouped(
+    q: mx.array,
+    kv_heads: int,
+    scale: float,
+    mask: mx.array,
+    scores_of: Callable[[mx.array], mx.array],
+    output_of: Callable[[mx.array], mx.array],
+) -> mx.array:
+    """The query heads of each KV head grouped, ``scores_of(queries)`` masked and softmaxed,
+    then ``output_of(weights)``: the two matmuls are the caller's (plain or quantized)."""
     rows, q_heads, _, dim = q.shape
-    kv_heads = k.shape[1]
     # Scale the small query, not the scores; the scores come out of the matmul in the
     # model's dtype either way, and a precise softmax accumulates in float32 without
     # casting them (five kernels a group, not seven).
     qg = (q * scale).reshape(rows, kv_heads, q_heads // kv_heads, dim)
-    scores = mx.where(mask, qg @ k.swapaxes(-1, -2), _MASKED)  # [rows, kv, group, span]
+    scores = mx.where(mask, scores_of(qg), _MASKED)  # [rows, kv, group, span]
     weights = mx.softmax(scores, axis=-1, precise=True)
-    return (weights @ v).reshape(rows, q_heads, 1, dim)
+    return output_of(weights).reshape(rows, q_heads, 1, dim)
+
+
+def gqa_decode(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array) -> mx.array:
+    """Grouped-query attention for one query per row (see the module docstring)."""
+    return _grouped(q, k.shape[1], scale, mask, lambda qg: qg @ k.swapaxes(-1, -2), lambda w: w @ v)
 
 
 def quantized_decode(
@@ -63,14 +75,15 @@ def quantized_decode(
     """:func:`gqa_decode` over a quantized cache (``mx.quantize`` parts of keys and values):
     ``mx.quantized_matmul`` reads them without a dequantized copy, as mlx-lm's quantized
     attention does."""
-    rows, q_heads, _, dim = q.shape
-    kv_heads = k[0].shape[1]
-    qg = (q * scale).reshape(rows, kv_heads, q_heads // kv_heads, dim)
     opts = {"group_size": group_size, "bits": bits}
-    scores = mx.quantized_matmul(qg, *k, transpose=True, **opts)  # [rows, kv, group, span]
-    weights = mx.softmax(mx.where(mask, scores, _MASKED), axis=-1, precise=True)
-    out = mx.quantized_matmul(weights, *v, transpose=False, **opts)
-    return out.reshape(rows, q_heads, 1, dim)
+    return _grouped(
+        q,
+        k[0].shape[1],
+        scale,
+        mask,
+        lambda qg: mx.quantized_matmul(qg, *k, transpose=True, **opts),
+        lambda w: mx.quantized_matmul(w, *v, transpose=False, **opts),
+    )
 
 
 def fused_decode(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array) -> mx.array:
