@@ -606,9 +606,6 @@ def main(argv: list[str] | None = None) -> int:
     with server as url:
         variants = {wl.name: _variants(wl, args, scheduler.budget_bytes) for wl in workloads}
 
-        def variants_of(wl: Workload) -> list[tuple[str, int]]:
-            return variants[wl.name]
-
         def run_one(wl: Workload, mode: str, cache_bytes: int) -> ModeResult:
             if mode == "naive":
                 return run_naive(model, tokenizer, wl, args.naive_requests)
@@ -626,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
             clock = Stopwatch()
             for wl in workloads:
                 short = dataclasses.replace(wl, max_tokens=[min(8, m) for m in wl.max_tokens])
-                for mode, cache_bytes in variants_of(wl):
+                for mode, cache_bytes in variants[wl.name]:
                     if mode != "naive":
                         run_one(short, mode, cache_bytes)
             _fresh()

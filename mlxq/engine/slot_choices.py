@@ -38,6 +38,7 @@ class DecodeChoices:
 
     attention: str
     kernel: Kernel
+    kv_bits: int | None  # a quantized cache's bits, None for the model's dtype
     kv_group: int  # quantization group of a quantized cache
     overlap: bool
     saving: int  # row-positions a group split must save
@@ -62,6 +63,7 @@ class DecodeChoices:
         return cls(
             attention=name,
             kernel=kernel,
+            kv_bits=kv_bits,
             kv_group=group,
             overlap=env(OVERLAP_ENV, "1" if backend == "cuda" else "0") == "1",
             saving=limit // max(1, info.kv_bytes_per_token // max(1, info.num_layers)),

@@ -44,8 +44,6 @@ class CompiledForward:
     """
 
     def __init__(self, model: nn.Module, cache: SlotCache, kernel: Kernel) -> None:
-        self.cache = cache
-
         def forward(tokens: mx.array, positions: mx.array) -> mx.array:
             span = cache.capacity  # traced again whenever the capacity (a state shape) grows
             mask = (mx.arange(span)[None] <= positions[:, None])[:, None, None, :]

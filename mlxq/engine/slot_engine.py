@@ -108,7 +108,6 @@ class SlotEngine:
         self._constraints = ConstraintHook.for_model(model, tokenizer)
         self.hooks = [*(hooks or []), self._constraints]
         self.choices = DecodeChoices.choose(backend_name(), self.info, attention, kv_bits)
-        self.kv_bits = kv_bits
         self.join_wait = JOIN_WAIT_STEPS
         log.info("slot engine: batch %d, %s", max_batch, self.choices.describe())
         self._eos = set(tokenizer.eos_token_ids)
@@ -211,7 +210,7 @@ class SlotEngine:
         self._cache = SlotCache(
             self.info.num_layers,
             self.max_batch,
-            bits=self.kv_bits,
+            bits=self.choices.kv_bits,
             group_size=self.choices.kv_group,
         )
         self._forward = (

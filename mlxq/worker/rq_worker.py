@@ -299,8 +299,7 @@ class MlxqWorker(BaseWorker):
         if completions and not self.inflight:
             # Publish the emptied batch now: an idle worker next blocks on its queues, and
             # readers would see the last running batch until that returns.
-            self._last_report = 0.0
-            self._report_if_due()
+            self._report_if_due(force=True)
 
     def _fail(
         self, job: Job, queue: Queue, execution, result: Result, reason: str = "error"
@@ -321,11 +320,12 @@ class MlxqWorker(BaseWorker):
         self._last_beat = time.monotonic()
         watchdog.beat(self, self.inflight, self.runner, self.abandon_after)
 
-    def _report_if_due(self) -> None:
-        """Publish this worker's state (`mlxq workers`, progress bars, metrics)."""
+    def _report_if_due(self, force: bool = False) -> None:
+        """Publish this worker's state (`mlxq workers`, progress bars, metrics) every
+        ``REPORT_INTERVAL_S``, or now with ``force``."""
         if self.reporter is None or self.runner.scheduler is None:
             return
-        if time.monotonic() - self._last_report < REPORT_INTERVAL_S:
+        if not force and time.monotonic() - self._last_report < REPORT_INTERVAL_S:
             return
         self._last_report = time.monotonic()
         self.reporter.publish(
