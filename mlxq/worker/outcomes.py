@@ -53,9 +53,12 @@ def write_results(worker: BaseWorker, done: list[tuple[InFlight, Result]]) -> li
                 pipe.watch(*[inf.job.key for inf, _ in done])
                 held = still_held(worker.connection, [inf for inf, _ in done])
                 pipe.multi()
+                ended = []
                 for (inf, result), ok in zip(done, held, strict=True):
                     if ok:
                         _write(pipe, worker, inf, result)
+                        ended.append((inf.job, inf.job.get_status(refresh=False)))
+                transitions.count_ended(pipe, worker, ended)
                 pipe.execute()
                 return [inf for (inf, _), ok in zip(done, held, strict=True) if not ok]
             except redis.WatchError:
@@ -63,7 +66,9 @@ def write_results(worker: BaseWorker, done: list[tuple[InFlight, Result]]) -> li
 
 
 def _write(pipe, worker: BaseWorker, inf: InFlight, result: Result) -> None:
-    transitions.end_job(pipe, inf.job, inf.queue, result, worker=worker, execution=inf.execution)
+    transitions.end_job(
+        pipe, inf.job, inf.queue, result, worker=worker, execution=inf.execution, count=False
+    )
 
 
 def build_result(inf: InFlight, c: Completion, model: str, worker: str) -> Result:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 import redis
@@ -45,6 +46,16 @@ CONTROL_INTERVAL_S = 0.5  # how often cancel flags and time limits are checked
 REPORT_INTERVAL_S = 2.0  # how often the worker publishes its state (WorkerInfo, metrics)
 RECOVERY_INTERVAL_S = 5.0  # how often abandoned jobs of dead workers are looked for
 MAX_BACKOFF_S = 30.0
+
+
+@dataclass
+class _Vetted:
+    """A job that passed vetting: what the engine runs, unless its batch expired."""
+
+    request: Request
+    tokens: list[int]
+    meta: JobMeta
+    expired: bool
 
 
 class MlxqWorker(BaseWorker):
@@ -230,28 +241,40 @@ class MlxqWorker(BaseWorker):
             return None
 
     def _start_group(self, group: list[tuple[Job, Queue]]) -> None:
-        """Register jobs as RQ executions, vet them, and hand the good ones over together."""
-        works = []
-        expired: list[tuple[InFlight, Result]] = []
-        for (job, queue), execution in zip(group, register(self, group), strict=True):
+        """Vet jobs, hand the good ones to the engine together, then register them all as
+        RQ executions: the engine starts on them meanwhile, and nothing is written back
+        before they are registered (that happens on this thread)."""
+        vetted: list[_Vetted | str] = []
+        for job, _ in group:
             try:
                 request, tokens = self._vet(job)
             except (JobRejected, JobInputError) as e:
+                vetted.append(str(e))
+                continue
+            meta = msgspec.convert(job.meta or {}, JobMeta)
+            late = meta.expires_at is not None and time.time() > meta.expires_at
+            vetted.append(_Vetted(request, tokens, meta, late))
+        works = [
+            Work(EngineJob(job.id, v.request), v.tokens)
+            for (job, _), v in zip(group, vetted, strict=True)
+            if isinstance(v, _Vetted) and not v.expired
+        ]
+        if works:
+            self.runner.submit(works)
+        expired: list[tuple[InFlight, Result]] = []
+        for (job, queue), execution, v in zip(group, register(self, group), vetted, strict=True):
+            if isinstance(v, str):
                 result = transitions.result_without_output(
-                    job, "error", str(e), model=self.model_name, worker=self.name
+                    job, "error", v, model=self.model_name, worker=self.name
                 )
                 self._fail(job, queue, execution, result, reason="rejected")
                 continue
-            meta = msgspec.convert(job.meta or {}, JobMeta)
-            inf = InFlight(job, queue, execution, request, meta, time.time())
-            if meta.expires_at is not None and time.time() > meta.expires_at:
+            inf = InFlight(job, queue, execution, v.request, v.meta, time.time())
+            if v.expired:
                 msg = "the batch expired before this request ran"
                 expired.append((inf, unrun_result(inf, "expired", msg, self.model_name, self.name)))
-                continue
-            self.inflight[job.id] = inf
-            works.append(Work(EngineJob(job.id, request), tokens))
-        if works:
-            self.runner.submit(works)
+            else:
+                self.inflight[job.id] = inf
         write_results(self, expired)
 
     def _vet(self, job: Job) -> tuple[Request, list[int]]:

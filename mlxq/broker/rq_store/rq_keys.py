@@ -8,6 +8,7 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.results import Result as RQResult
+from rq.utils import current_timestamp
 
 QUEUES_SET = Queue.redis_queues_keys  # every queue ever enqueued to
 
@@ -50,3 +51,14 @@ def registry_keys(queue: str) -> tuple[str, str, str]:
         FinishedJobRegistry.key_template.format(queue),
         FailedJobRegistry.key_template.format(queue),
     )
+
+
+def finished_key(queue: str) -> str:
+    """A queue's finished-job registry (a sorted set scored by expiry)."""
+    return FinishedJobRegistry.key_template.format(queue)
+
+
+def registry_score(ttl: int) -> float | str:
+    """A registry entry's score for ``ttl`` seconds, as RQ's ``BaseRegistry.add`` sets it
+    (a negative ttl: never expires)."""
+    return "+inf" if ttl < 0 else current_timestamp() + ttl
