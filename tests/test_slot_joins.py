@@ -68,6 +68,20 @@ def test_pick_group_keeps_one_cached_prefix_per_group() -> None:
     assert prefix.asked.count(150) == 1  # a plan is made once
 
 
+def test_pick_group_sizes_a_group_on_the_tokens_it_prefills() -> None:
+    """With a token budget, a group holds as many rows as one call of that many tokens
+    (rows x longest left to prefill, chunks capped at ``step``), counted after the cached
+    prefix is taken off: prompts of 150-160 reusing 100 tokens cost 50-60 each."""
+    w = _waiting(150, 150, 160, 150, 150)
+    group = pick_group(w, limit=8, prefix=_Prefix(), tokens=180)
+    assert [len(g.run.prompt) for g in group] == [150, 150, 160]  # 3 x 60 = 180
+    assert len(w) == 2
+    assert len(pick_group(_waiting(150, 150, 160), 8, None, tokens=200)) == 1  # 2 x 150 > 200
+    # Long prompts count one chunk: 3 x min(3000, 1000) = 3000 fits, a fourth would not.
+    assert len(pick_group(_waiting(*[3000] * 5), 8, None, tokens=3000, step=1000)) == 3
+    assert len(pick_group(_waiting(5000), 8, None, tokens=10)) == 1  # always one row
+
+
 def test_the_policy_modules_import_no_mlx() -> None:
     """Scheduling policy is plain Python: importing it loads no MLX."""
     code = (

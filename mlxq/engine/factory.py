@@ -28,7 +28,7 @@ def make_engine(
     model: nn.Module, tokenizer: Any, name: str, *, engine: str | None = None, **options: Any
 ) -> BatchEngine:
     """The engine for a loaded model (options as ``SlotEngine.from_loaded``; the fallback
-    ignores ``attention``, and refuses ``hooks`` and ``kv_bits``)."""
+    ignores ``attention`` and ``prefill_tokens``, and refuses ``hooks`` and ``kv_bits``)."""
     choice = engine or os.environ.get(ENGINE_ENV) or "slot"
     if choice not in ENGINES:
         raise ValueError(
@@ -47,4 +47,5 @@ def make_engine(
     if options.pop("hooks", None):
         raise ValueError(f"batch logits hooks need the slot engine, and {name} cannot use it")
     options.pop("attention", None)
+    options.pop("prefill_tokens", None)  # it sizes prefill from the arrivals alone
     return Engine.from_loaded(model, tokenizer, name, **options)

@@ -83,6 +83,7 @@ class SlotEngine:
         max_batch: int = 32,
         prefill_batch: int = 8,
         prefill_step: int = 2048,
+        prefill_tokens: int | None = None,
         prefix_cache_bytes: int = 0,
         attention: str | None = None,
         hooks: list[BatchLogitsHook] | None = None,
@@ -92,7 +93,9 @@ class SlotEngine:
 
         ``attention`` overrides the decode attention chosen for the backend ("gqa" or
         "fused"); ``hooks`` process each decode step's logits (module docstring);
-        ``kv_bits`` (8 or 4) stores the slot cache quantized. Raises ``ValueError`` if the
+        ``kv_bits`` (8 or 4) stores the slot cache quantized. ``prefill_tokens`` sizes
+        each prefill group on the tokens it prefills (the prefill batch, set from the
+        arrivals' prompts, then only paces joins). Raises ``ValueError`` if the
         model's cache cannot live in slots, or cannot be quantized as asked.
         """
         why = mlx_lm_seam.unsupported(model)
@@ -104,6 +107,7 @@ class SlotEngine:
         self._prompts = PromptEncoder(tokenizer, self.info)
         self.max_batch, self.prefill_step = max_batch, prefill_step
         self.prefill_batch = max(1, min(prefill_batch, max_batch))
+        self.prefill_tokens = prefill_tokens
         # Structured outputs (response_format) are one more batch hook.
         self._constraints = ConstraintHook.for_model(model, tokenizer)
         self.hooks = [*(hooks or []), self._constraints]
@@ -259,8 +263,10 @@ class SlotEngine:
 
     def _join(self) -> list[Completion]:
         """Plan, prefill and seat the next group of waiting jobs (one prefill batch)."""
-        limit = min(self.prefill_batch, self._cache.free_slots)
-        group = pick_group(self._waiting, limit, self._prefix)
+        free = self._cache.free_slots
+        limit = free if self.prefill_tokens else min(self.prefill_batch, free)
+        tokens, step = self.prefill_tokens, self.prefill_step
+        group = pick_group(self._waiting, limit, self._prefix, tokens, step)
         return self._prefill(group) if group else []
 
     def _prefill(self, group: list[Waiting]) -> list[Completion]:

@@ -7,7 +7,8 @@ Plain Python (no MLX): the slot engine hands in its waiting list and counts.
   nothing decoding, or the oldest has waited ``join_wait`` decode steps.
 - :func:`pick_group`: up to ``limit`` waiting jobs in arrival order that share one
   prefill call: the same cached prefix (if any) and prompts left to prefill within 2x
-  (or 64 tokens) of the first one's, so right-padding wastes little.
+  (or 64 tokens) of the first one's, so right-padding wastes little; with a token budget,
+  as many as one prefill call of that many tokens holds.
 """
 
 from __future__ import annotations
@@ -47,11 +48,23 @@ def join_due(
     return step - waiting[0].since_step >= wait
 
 
-def pick_group(waiting: list[Waiting], limit: int, prefix: Any | None) -> list[Waiting]:
+def pick_group(
+    waiting: list[Waiting],
+    limit: int,
+    prefix: Any | None,
+    tokens: int | None = None,
+    step: int = 2048,
+) -> list[Waiting]:
     """The next prefill group, taken out of ``waiting``; ``prefix`` is the engine's prefix
-    cache (its ``plan(prompt)`` says which stored prefix a job reuses), or None."""
+    cache (its ``plan(prompt)`` says which stored prefix a job reuses), or None.
+
+    With ``tokens``, the group also stops where one prefill call (its rows times its
+    longest prompt left to prefill, in chunks of ``step``) would pass that many tokens: a
+    group is sized on what it really prefills, a cached prefix taken off, which is only
+    known here (when the job arrived, the prefix it reuses may not have been stored yet).
+    """
     group: list[Waiting] = []
-    key, base = None, 0
+    key, base, longest = None, 0, 0
     for w in waiting:
         if len(group) >= limit:
             break
@@ -64,8 +77,11 @@ def pick_group(waiting: list[Waiting], limit: int, prefix: Any | None) -> list[W
         n = len(w.run.prompt) - (w.plan.reused_tokens if w.plan is not None else 0)
         if group and (leaf is not key or not similar(n, base)):
             continue  # another cached prefix, or padding it would waste: a later group
+        if group and tokens and (len(group) + 1) * min(max(longest, n), step) > tokens:
+            break
         if not group:
             key, base = leaf, n
+        longest = max(longest, n)
         group.append(w)
     for w in group:
         waiting.remove(w)

@@ -1,7 +1,7 @@
 """Prefill of a joining group: its prompts as their own batch, written into their slots.
 
 A group's prompts share one cached prefix (or none): that prefix is copied once into
-the group's temporary cache, the rest of each prompt but its last token is right-padded
+each row of the group's temporary cache (with room for the rest after it), the rest of each prompt but its last token is right-padded
 to the group's longest and run through the model in chunks of ``step`` tokens with a
 plain causal mask (a pad only ever follows a row's real tokens, so no real token sees
 one), and every row's keys and values are then written into its slot. Each prompt's last
@@ -52,12 +52,11 @@ def prefill_group(
     rows = len(slots)
     temp = make_prompt_cache(model)
     start = 0
+    longest = max(len(s) for s in suffixes)
     if prefix is not None:
         for c, p in zip(temp, prefix, strict=True):
-            c.keys = mx.repeat(p.keys, rows, axis=0) if rows > 1 else p.keys
-            c.values = mx.repeat(p.values, rows, axis=0) if rows > 1 else p.values
+            c.keys, c.values = _rows_of(p.keys, rows, longest), _rows_of(p.values, rows, longest)
             c.offset = start = p.offset
-    longest = max(len(s) for s in suffixes)
     if longest:
         padded = mx.array([s + [0] * (longest - len(s)) for s in suffixes])
         for at in range(0, longest, step):
@@ -72,3 +71,12 @@ def prefill_group(
     for slot, suffix in zip(slots, suffixes, strict=True):
         cache.lengths[slot] = start + len(suffix)
     return PrefillRows(temp)
+
+
+def _rows_of(prefix: mx.array, rows: int, room: int) -> mx.array:
+    """``rows`` copies of a ``[1, heads, n, dim]`` prefix, with ``room`` positions after
+    it, so the model's cache writes the suffix in place instead of growing (a copy)."""
+    _, heads, n, dim = prefix.shape
+    out = mx.zeros((rows, heads, n + room, dim), prefix.dtype)
+    out[:, :, :n, :] = prefix
+    return out

@@ -82,6 +82,7 @@ def engine_for(
         max_batch=config.engine_max_batch,
         prefill_batch=config.prefill_batch,
         prefill_step=config.prefill_step,
+        prefill_tokens=config.prefill_tokens if config.auto_prefill else None,
         prefix_cache_bytes=config.prefix_cache_bytes,
         kv_bits=config.kv_bits,
     )
