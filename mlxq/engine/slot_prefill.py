@@ -1,12 +1,13 @@
 """Prefill of a joining group: its prompts as their own batch, written into their slots.
 
 A group's prompts share one cached prefix (or none): that prefix is copied once into
-each row of the group's temporary cache (with room for the rest after it), the rest of each prompt but its last token is right-padded
-to the group's longest and run through the model in chunks of ``step`` tokens with a
-plain causal mask (a pad only ever follows a row's real tokens, so no real token sees
-one), and every row's keys and values are then written into its slot. Each prompt's last
-token is fed by the row's first decode step, as in mlx-lm. A pad's keys land past the
-row's length, where decode masks them and then overwrites them.
+each row of the group's temporary cache, with room after it. The rest of each prompt but
+its last token is right-padded to the group's longest and run through the model in
+chunks of ``step`` tokens with a plain causal mask (a pad only ever follows a row's real
+tokens, so no real token sees one), and every row's keys and values are then written
+into its slot. Each prompt's last token is fed by the row's first decode step, as in
+mlx-lm. A pad's keys land past the row's length, where decode masks them and then
+overwrites them.
 """
 
 from __future__ import annotations
