@@ -307,7 +307,7 @@ def run_mlxq(
     result.extra["worker_exit_s"] = exit_s
     result.extra["prefill_s"] = prefill_s
     result.extra["prefilled_tokens"] = end.prefilled_tokens - start.prefilled_tokens
-    for k in ("decode_seconds", "decode_steps", "launch_seconds"):  # host- or device-bound
+    for k in ("decode_seconds", "decode_steps", "launch_seconds", "prefill_calls"):
         result.extra[k] = getattr(end, k) - getattr(start, k)
     if prefix_cache_bytes:
         result.extra["prefix_cache_bytes"] = prefix_cache_bytes
@@ -377,7 +377,8 @@ def report(header: str, results: list[ModeResult], wl: Workload) -> str:
             )
             if e.get("decode_steps"):  # the slot engine: where the worker's time went
                 notes.append(
-                    f"  {r.mode}: prefill {e['prefill_s']:.2f} s, {e['decode_steps']:,} decode "
+                    f"  {r.mode}: prefill {e['prefill_s']:.2f} s in {e['prefill_calls']:,} calls, "
+                    f"{e['decode_steps']:,} decode "
                     f"steps {e['decode_seconds']:.2f} s (building and launching them on the "
                     f"host {e['launch_seconds']:.2f} s), the rest outside the engine "
                     f"{e['worker_s'] - e['prefill_s'] - e['decode_seconds']:.2f} s"

@@ -12,7 +12,11 @@
   step on the H200 (5.7 against 5.8 ms) and each new cache shape cost a long kernel
   compile; the CPU pays for its whole-capacity span; Metal is unmeasured;
 - sorting rows by length (``MLXQ_SLOT_SORT=0`` turns it off; never with the compiled
-  forward, which attends the whole capacity anyway).
+  forward, which attends the whole capacity anyway);
+- join wait (``MLXQ_JOIN_WAIT``): decode steps the oldest waiting job may wait before a
+  smaller group than ``join_group`` joins. A prefill call costs the host about as much as
+  a decode step whatever its size, so on a host-bound GPU joining every few steps (rows
+  finishing one by one, as EOS makes them) spends more time on calls than it saves.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ SORT_ENV = "MLXQ_SLOT_SORT"
 # A guess per backend, from launch costs and memory bandwidth (CUDA measured: merging the
 # groups of a 1B model ran 1.05x).
 SPLIT_BYTES = {"cuda": 64 << 20, "metal": 8 << 20, "cpu": 1 << 20}
+JOIN_ENV = "MLXQ_JOIN_WAIT"
+# CUDA measured (bench/RESULTS.md); Metal's launch costs are a GPU's too (unmeasured).
+JOIN_WAIT = {"cuda": 16, "metal": 16, "cpu": 4}
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,7 @@ class DecodeChoices:
     saving: int  # row-positions a group split must save
     compiled: bool
     sorting: bool
+    join_wait: int  # decode steps before a small group joins
 
     @classmethod
     def choose(
@@ -69,6 +77,7 @@ class DecodeChoices:
             saving=limit // max(1, info.kv_bytes_per_token // max(1, info.num_layers)),
             compiled=compiled,
             sorting=not compiled and env(SORT_ENV, "1") == "1",
+            join_wait=int(env(JOIN_ENV) or JOIN_WAIT.get(backend, 4)),
         )
 
     def describe(self) -> str:
@@ -76,4 +85,5 @@ class DecodeChoices:
         return (
             f"{self.attention} decode attention{' (compiled forward)' if self.compiled else ''}"
             f", steps overlapped: {self.overlap}, rows sorted by length: {self.sorting}"
+            f", small groups join after {self.join_wait} steps"
         )

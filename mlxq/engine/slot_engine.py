@@ -59,9 +59,6 @@ from mlxq.wire import FinishReason, Request
 
 log = logging.getLogger("mlxq.engine.slot_engine")
 
-# Joining jobs wait at most this many decode steps for their group to fill.
-# (Joining at once measured no better on the CPU, where a prefill call costs its tokens.)
-JOIN_WAIT_STEPS = 4
 # Every this many steps, see whether sorting the rows by length pays (slot_order).
 SORT_EVERY = 32
 
@@ -112,7 +109,7 @@ class SlotEngine:
         self._constraints = ConstraintHook.for_model(model, tokenizer)
         self.hooks = [*(hooks or []), self._constraints]
         self.choices = DecodeChoices.choose(backend_name(), self.info, attention, kv_bits)
-        self.join_wait = JOIN_WAIT_STEPS
+        self.join_wait = self.choices.join_wait
         log.info("slot engine: batch %d, %s", max_batch, self.choices.describe())
         self._eos = set(tokenizer.eos_token_ids)
         self._new_cache()
@@ -288,6 +285,7 @@ class SlotEngine:
             mx.clear_cache()
             return [self._drop(w, slot, exc) for w, slot in zip(group, slots, strict=True)]
         self._stats.prefilled_tokens += sum(len(s) for s in suffixes)
+        self._stats.prefill_calls += 1
         self._stats.prefill_seconds += time.perf_counter() - tic
         for i, (w, slot) in enumerate(zip(group, slots, strict=True)):
             if w.plan is not None and w.plan.store:

@@ -21,6 +21,7 @@ class EngineStats:
     prompt_tokens: int = 0
     prefilled_tokens: int = 0
     prefill_seconds: float = 0.0
+    prefill_calls: int = 0  # groups prefilled (the slot engine; each costs host time)
     generated_tokens: int = 0
     decode_seconds: float = 0.0
     decode_steps: int = 0
