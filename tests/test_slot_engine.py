@@ -82,6 +82,29 @@ def test_overlapped_steps_equal_single_requests(
     assert engine._cache.free_slots == 4
 
 
+@pytest.mark.parametrize("prefill_step", [2048, 7])
+def test_bucketed_prefill_shapes_equal_single_requests(
+    tiny, monkeypatch: pytest.MonkeyPatch, prefill_step: int
+) -> None:
+    """Prefill calls padded to bucket shapes (dummy rows, longer chunks: the CUDA default)
+    give the same tokens, with and without a cached prefix."""
+    model, tokenizer = tiny
+    monkeypatch.setenv(slot_choices.BUCKETS_ENV, "1")
+    sizes = {"max_batch": 5, "prefill_batch": 3, "prefill_step": prefill_step}
+    engine = SlotEngine.from_loaded(model, tokenizer, "tiny", **sizes)
+    assert engine.choices.prefill_buckets
+    done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, 2)
+    check_against_reference(tiny, engine, done)
+    shared = list(range(3, 200))
+    jobs = {f"j{i}": Request(prompt=[*shared, 300 + i, 301 + i], max_tokens=8) for i in range(5)}
+    cached = SlotEngine.from_loaded(model, tokenizer, "t", prefix_cache_bytes=1 << 24, **sizes)
+    reused = run_all(cached, dict(jobs), join_every=2)
+    assert cached.stats().prefix_hits >= 3
+    for key, request in jobs.items():
+        want = reference(model, tokenizer, cached.encode(request), request)["tokens"]
+        assert reused[key].token_ids == want
+
+
 def test_span_groups_split_only_where_it_saves() -> None:
     lengths = [10] * 4 + [200] * 4 + [205] * 4
     # Always split: each run of four attends up to its own longest row (rounded to 32).

@@ -14,9 +14,12 @@
 - sorting rows by length (``MLXQ_SLOT_SORT=0`` turns it off; never with the compiled
   forward, which attends the whole capacity anyway);
 - join wait (``MLXQ_JOIN_WAIT``): decode steps the oldest waiting job may wait before a
-  smaller group than ``join_group`` joins. A prefill call costs the host about as much as
-  a decode step whatever its size, so on a host-bound GPU joining every few steps (rows
-  finishing one by one, as EOS makes them) spends more time on calls than it saves.
+  smaller group than ``join_group`` joins: 4. On the H200 (1B, batch 256, varied and
+  mixed outputs) 4 ran 1.19x and 1.09x faster than 16, and 16 faster than 32: the calls
+  barely got fewer, while free slots idled longer;
+- prefill buckets (``MLXQ_PREFILL_BUCKETS``, CUDA only by default): a prefill call's rows
+  and length are rounded to a few sizes (:mod:`~mlxq.engine.prefill_shapes`), because each
+  new shape first builds its kernels there.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ SORT_ENV = "MLXQ_SLOT_SORT"
 # groups of a 1B model ran 1.05x).
 SPLIT_BYTES = {"cuda": 64 << 20, "metal": 8 << 20, "cpu": 1 << 20}
 JOIN_ENV = "MLXQ_JOIN_WAIT"
-# CUDA measured (bench/RESULTS.md); Metal's launch costs are a GPU's too (unmeasured).
-JOIN_WAIT = {"cuda": 16, "metal": 16, "cpu": 4}
+JOIN_WAIT = 4
+BUCKETS_ENV = "MLXQ_PREFILL_BUCKETS"
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class DecodeChoices:
     compiled: bool
     sorting: bool
     join_wait: int  # decode steps before a small group joins
+    prefill_buckets: bool  # prefill calls padded to a few shapes
 
     @classmethod
     def choose(
@@ -77,7 +81,8 @@ class DecodeChoices:
             saving=limit // max(1, info.kv_bytes_per_token // max(1, info.num_layers)),
             compiled=compiled,
             sorting=not compiled and env(SORT_ENV, "1") == "1",
-            join_wait=int(env(JOIN_ENV) or JOIN_WAIT.get(backend, 4)),
+            join_wait=int(env(JOIN_ENV) or JOIN_WAIT),
+            prefill_buckets=env(BUCKETS_ENV, "1" if backend == "cuda" else "0") == "1",
         )
 
     def describe(self) -> str:
@@ -86,4 +91,5 @@ class DecodeChoices:
             f"{self.attention} decode attention{' (compiled forward)' if self.compiled else ''}"
             f", steps overlapped: {self.overlap}, rows sorted by length: {self.sorting}"
             f", small groups join after {self.join_wait} steps"
+            f", prefill shapes bucketed: {self.prefill_buckets}"
         )

@@ -279,7 +279,13 @@ class SlotEngine:
             mx.eval(self._inflight.sampled, self._inflight.logprobs)
         try:
             rows = prefill_group(
-                self.model, self._cache, slots, suffixes, prefix, self.prefill_step
+                self.model,
+                self._cache,
+                slots,
+                suffixes,
+                prefix,
+                self.prefill_step,
+                self.choices.prefill_buckets,
             )
         except Exception as exc:
             mx.clear_cache()

@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from mlxq.engine.prefill_shapes import bucket_rows, bucket_tokens
 from mlxq.engine.slot_cache import SlotCache
 
 
@@ -44,30 +45,37 @@ def prefill_group(
     suffixes: list[list[int]],
     prefix: list[KVCache] | None,
     step: int,
+    buckets: bool = False,
 ) -> PrefillRows:
     """Prefill ``suffixes`` after the shared ``prefix`` and write the rows into ``slots``.
 
     ``suffixes`` are the prompts less the prefix and less their last token (possibly
-    empty). Returns the temporary cache; ``cache.lengths`` is set for each slot.
+    empty). With ``buckets`` the call's rows and length are padded to
+    :mod:`~mlxq.engine.prefill_shapes` sizes (dummy rows are never written). Returns the
+    temporary cache (real rows first); ``cache.lengths`` is set for each slot.
     """
     rows = len(slots)
+    longest = max(len(s) for s in suffixes)
+    width, height = longest, rows
+    if buckets and longest:
+        width, height = bucket_tokens(longest, step), bucket_rows(rows)
     temp = make_prompt_cache(model)
     start = 0
-    longest = max(len(s) for s in suffixes)
     if prefix is not None:
         for c, p in zip(temp, prefix, strict=True):
-            c.keys, c.values = _rows_of(p.keys, rows, longest), _rows_of(p.values, rows, longest)
+            c.keys, c.values = _rows_of(p.keys, height, width), _rows_of(p.values, height, width)
             c.offset = start = p.offset
     if longest:
-        padded = mx.array([s + [0] * (longest - len(s)) for s in suffixes])
-        for at in range(0, longest, step):
-            model(padded[:, at : at + step], cache=temp)
+        padded = [s + [0] * (width - len(s)) for s in suffixes]
+        tokens = mx.array(padded + [[0] * width] * (height - rows))
+        for at in range(0, width, step):
+            model(tokens[:, at : at + step], cache=temp)
             mx.eval([a for c in temp for a in (c.keys, c.values)])
     end = start + longest
     if end:
         cache.reserve(end + 1)
         for layer, c in enumerate(temp):
-            cache.write(slots, layer, c.keys[..., :end, :], c.values[..., :end, :])
+            cache.write(slots, layer, c.keys[:rows, :, :end, :], c.values[:rows, :, :end, :])
         mx.eval(cache.keys, cache.values)
     for slot, suffix in zip(slots, suffixes, strict=True):
         cache.lengths[slot] = start + len(suffix)
