@@ -16,6 +16,7 @@ gets an EOS-only mask meanwhile.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,14 @@ class JobConstraint:
         """Back to the start of the grammar (a job that starts over)."""
         self.matcher.reset()
         self.started = False
+
+
+@dataclass
+class Prepared:
+    """Masks filled ahead of a step (:meth:`ConstraintBatch.advance`): row of each slot."""
+
+    rows: dict[Hashable, int]
+    masks: np.ndarray
 
 
 class Grammars:
@@ -183,8 +192,21 @@ class ConstraintBatch:
         bits[self.grammars.lltokenizer.eos_tokens] = 1
         return np.packbits(bits, bitorder="little").view(np.int32)
 
-    def process(self, logits: mx.array, slots: Sequence[Hashable]) -> mx.array:
-        """``logits`` (one row per slot) with the masks of the tracked slots applied."""
+    def advance(self, slots: Sequence[Hashable], tokens: Sequence[int]) -> Prepared:
+        """Advance ``slots`` by their tokens and fill the next masks of every tracked row.
+
+        Touches only the matchers (no MLX, no engine state), so it can run on a helper
+        thread while the MLX thread builds the next step; :meth:`process` takes the result.
+        """
+        self.accept(slots, tokens)
+        order = list(self.jobs)
+        return Prepared({slot: i for i, slot in enumerate(order)}, self.masks(order))
+
+    def process(
+        self, logits: mx.array, slots: Sequence[Hashable], prepared: Prepared | None = None
+    ) -> mx.array:
+        """``logits`` (one row per slot) with the masks of the tracked slots applied
+        (``prepared``'s where it has them, filled now for rows it lacks)."""
         n, vocab = logits.shape
         if n != len(slots) or vocab > self.grammars.vocab_size:
             raise ValueError(
@@ -194,11 +216,16 @@ class ConstraintBatch:
         rows = [i for i, s in enumerate(slots) if s in self.jobs or s in self.failures]
         if not rows:
             return logits
-        masks = self.masks([slots[i] for i in rows])
-        if len(rows) < n:  # free rows get all-ones masks: their logits pass unchanged
-            full = np.full((n, masks.shape[1]), -1, dtype=np.int32)
-            full[rows] = masks
-            masks = full
+        have = {} if prepared is None else prepared.rows
+        late = [slots[i] for i in rows if slots[i] not in have or slots[i] in self.failures]
+        fresh = self.masks(late) if late else None
+        at = {slot: j for j, slot in enumerate(late)}
+        # Free rows keep all-ones masks: their logits pass unchanged.
+        width = (self.grammars.vocab_size + 31) // 32
+        masks = np.full((n, width), -1, dtype=np.int32)
+        for i in rows:
+            slot = slots[i]
+            masks[i] = fresh[at[slot]] if slot in at else prepared.masks[have[slot]]
         return DeviceMasks(masks, vocab).apply(logits)
 
 
@@ -257,6 +284,11 @@ class ConstraintHook:
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self.batch = ConstraintBatch(Grammars(tokenizer, vocab_size))
         self._eos = set(tokenizer.eos_token_ids)
+        # One helper thread advances the matchers and fills the masks (llguidance works
+        # off the GIL) while the MLX thread builds the step's forward.
+        self._helper = concurrent.futures.ThreadPoolExecutor(1, "mlxq-masks")
+        self._pending: concurrent.futures.Future[Prepared] | None = None
+        self._prepared: Prepared | None = None
 
     @classmethod
     def for_model(cls, model: Any, tokenizer: Any) -> ConstraintHook:
@@ -287,17 +319,31 @@ class ConstraintHook:
             self.batch.track(key, job)
 
     def process(self, logits: mx.array, rows: list[str]) -> mx.array:
-        return self.batch.process(logits, rows) if self.active else logits
+        self._settle()
+        prepared, self._prepared = self._prepared, None
+        return self.batch.process(logits, rows, prepared) if self.active else logits
 
     def accept(self, rows: list[str], tokens: list[int]) -> None:
+        """Advance the matchers by the tokens (EOS: the job ends) and fill the next masks
+        on the helper thread; :meth:`process` and :meth:`failures` wait for it."""
+        self._settle()
+        self._prepared = None
         if not self.batch.jobs:
             return
         live = [(r, t) for r, t in zip(rows, tokens, strict=True) if t not in self._eos]
-        self.batch.accept([r for r, _ in live], [t for _, t in live])  # (EOS: it ends)
+        args = ([r for r, _ in live], [t for _, t in live])
+        self._pending = self._helper.submit(self.batch.advance, *args)
+
+    def _settle(self) -> None:
+        """Wait for the helper's masks, if any are coming (re-raises its errors)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._prepared = pending.result()
 
     def release(self, key: str) -> None:
         self.batch.drop(key)
 
     def failures(self) -> dict[str, str]:
         """Jobs whose constraint failed (key -> why); they stay listed until released."""
+        self._settle()
         return dict(self.batch.failures)  # type: ignore[arg-type]

@@ -327,11 +327,18 @@ class SlotEngine:
         hooks_act = any(getattr(h, "active", True) for h in self.hooks)
         prev, rows = self._inflight, self._launchable()
         sync = hooks_act or any(r.processors for r in rows)
-        step, logits = None, None
+        step, logits, tokens = None, None, None
         if prev is not None and not self.choices.overlap:
             # Wait for it (not for its bookkeeping): while a computation that reads the
             # cache is pending, the next step's writes would copy every layer's cache.
             mx.eval(prev.sampled, prev.logprobs)
+        if sync and prev is not None:
+            # Hooks get the last tokens first: they prepare their next masks on a helper
+            # thread while this thread builds the forward.
+            tokens, lost = self._tokens_of(prev)
+            if tokens is None:
+                return lost
+            self._accept(prev, tokens)
         if rows:
             built = time.perf_counter()
             args = (self.model, self._cache, self.choices.kernel, rows, prev)
@@ -347,7 +354,7 @@ class SlotEngine:
             self._stats.decode_steps += 1
         self._inflight = step
         if prev is not None:
-            done += self._collect(prev)
+            done += self._collect(prev, tokens)
         if sync and logits is not None:
             done += self._sample_after(rows, logits)
         self._stats.decode_seconds += time.perf_counter() - tic
@@ -378,18 +385,30 @@ class SlotEngine:
             if len(r.run.tokens) + (id(r) in pending) < r.run.job.request.max_tokens
         ]
 
-    def _collect(self, step: Step) -> list[Completion]:
-        """The step's tokens to the host: record them, finish rows that ended."""
+    def _tokens_of(self, step: Step) -> tuple[list[int] | None, list[Completion]]:
+        """The step's sampled tokens on the host, or None and the batch failed."""
         try:
-            tokens = step.sampled.tolist()
+            return step.sampled.tolist(), []
         except Exception as exc:
             self._inflight = None
-            return self._fail_batch(exc)
+            return None, self._fail_batch(exc)
+
+    def _accept(self, step: Step, tokens: list[int]) -> None:
+        """Hand the step's tokens of rows still decoding to the hooks."""
         live = [(i, r) for i, r in enumerate(step.rows) if self._rows.get(r.slot) is r]
-        if self.hooks:
-            keys = [r.run.job.key for _, r in live]
-            for hook in self.hooks:
-                hook.accept(keys, [tokens[i] for i, _ in live])
+        keys = [r.run.job.key for _, r in live]
+        for hook in self.hooks:
+            hook.accept(keys, [tokens[i] for i, _ in live])
+
+    def _collect(self, step: Step, tokens: list[int] | None = None) -> list[Completion]:
+        """The step's tokens to the host: record them, finish rows that ended. Given the
+        tokens, the hooks have had them already (:meth:`_accept`)."""
+        if tokens is None:
+            tokens, lost = self._tokens_of(step)
+            if tokens is None:
+                return lost
+            self._accept(step, tokens)
+        live = [(i, r) for i, r in enumerate(step.rows) if self._rows.get(r.slot) is r]
         failed = self._constraints.failures()
         done = [
             self._finish(r.slot, "error", failed[k])
