@@ -5,7 +5,8 @@ packed at the front. ``lengths[slot]`` counts the tokens in its cache. Freeing a
 bookkeeping only: no tensor work, no device sync; the next owner overwrites it.
 
 - **Prefill** writes a joining group's keys and values into its slots at once
-  (:meth:`SlotCache.write`), one scatter per layer.
+  (:meth:`SlotCache.write`), one slice update per layer when the slots are adjacent (the
+  free list hands out the lowest first), else one scatter (about 100 GB/s on an H200).
 - **Decode** writes one position per row (:class:`SlotLayer.update_and_fetch`, a scatter
   at each row's own length) and attends over each *group* of rows up to that group's
   longest row (:class:`DecodeState`), so short rows do not pay for the batch's longest.
@@ -120,9 +121,13 @@ class SlotCache:
         if not self.keys:
             self._allocate(keys, values, n)
         self.reserve(n)
-        idx = mx.array(slots)
-        self.put(self.keys[layer], (idx, slice(None), slice(0, n)), keys)
-        self.put(self.values[layer], (idx, slice(None), slice(0, n)), values)
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):  # the usual case: a slice
+            rows: slice | mx.array = slice(first, first + len(slots))  # (scatters are slow)
+        else:
+            rows = mx.array(slots)
+        self.put(self.keys[layer], (rows, slice(None), slice(0, n)), keys)
+        self.put(self.values[layer], (rows, slice(None), slice(0, n)), values)
 
     def put(self, stored: Stored, at: tuple[Any, ...], new: mx.array) -> None:
         """Write ``new`` (full precision) into ``stored[at]``, quantized if the cache is."""
