@@ -5,8 +5,8 @@ per-job samplers, seeds, repetition penalty, stop strings, logprobs, streaming, 
 ``max_tokens``, EOS), without its whole-cache copies: every job owns a slot of
 :class:`~mlxq.engine.slot_cache.SlotCache`. A finished job frees its slot with no tensor
 work. Joining jobs wait until a group of them is worth a prefill call
-(:mod:`mlxq.engine.slot_joins`), are prefilled as their own batch
-(:mod:`mlxq.engine.slot_prefill`) and written into free slots; each decode step
+(:mod:`mlxq.engine.slot_joins`, seated by :mod:`mlxq.engine.slot_joining`), are prefilled
+as their own batch (:mod:`mlxq.engine.slot_prefill`) and written into free slots; each decode step
 (:mod:`mlxq.engine.slot_decode`) then feeds every row one token at its own position.
 
 Per-step logits processing over the whole batch: ``hooks``, see
@@ -26,7 +26,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.sample_utils import make_logits_processors
 
 from mlxq.engine import mlx_lm_seam, slot_decode
 from mlxq.engine.constraints import ConstraintHook
@@ -40,7 +39,6 @@ from mlxq.engine.sampling import (
     EngineJob,
     RunningJob,
     StreamChunk,
-    make_job_sampler,
 )
 from mlxq.engine.slot_cache import SlotCache
 from mlxq.engine.slot_choices import DecodeChoices
@@ -51,9 +49,9 @@ from mlxq.engine.slot_decode import (
     run_forward,
     sample_step,
 )
-from mlxq.engine.slot_joins import Waiting, join_due, pick_group
+from mlxq.engine.slot_joining import Joining
+from mlxq.engine.slot_joins import Waiting
 from mlxq.engine.slot_order import sorted_order
-from mlxq.engine.slot_prefill import prefill_group
 from mlxq.engine.stats import EngineStats
 from mlxq.wire import FinishReason, Request
 
@@ -63,7 +61,7 @@ log = logging.getLogger("mlxq.engine.slot_engine")
 SORT_EVERY = 32
 
 
-class SlotEngine:
+class SlotEngine(Joining):
     """Continuous batching of generation jobs over one model on slot caches."""
 
     @classmethod
@@ -252,70 +250,6 @@ class SlotEngine:
             self._rows[slot] = row
             self._keys[row.run.job.key] = slot
         self._stats.sorts += 1
-
-    def _join_due(self) -> bool:
-        free = self._cache.free_slots
-        args = (len(self._rows), free, self.join_group, self._steps, self.join_wait)
-        return join_due(self._waiting, *args)
-
-    def _join(self) -> list[Completion]:
-        """Plan, prefill and seat the next group of waiting jobs (one prefill batch)."""
-        free = self._cache.free_slots
-        limit = free if self.prefill_tokens else min(self.prefill_batch, free)
-        tokens, step = self.prefill_tokens, self.prefill_step
-        group = pick_group(self._waiting, limit, self._prefix, tokens, step)
-        return self._prefill(group) if group else []
-
-    def _prefill(self, group: list[Waiting]) -> list[Completion]:
-        slots = [self._cache.alloc() for _ in group]
-        plan = group[0].plan
-        reused = plan.reused_tokens if plan is not None else 0
-        prefix = self._prefix.kv_cache(plan) if plan is not None and self._prefix else None
-        suffixes = [w.run.prompt[reused:-1] for w in group]
-        tic = time.perf_counter()
-        if self._inflight is not None:
-            # Let the step in flight finish first: while its attention still reads the
-            # cache, writing the group's rows would copy every layer instead of updating it.
-            mx.eval(self._inflight.sampled, self._inflight.logprobs)
-        try:
-            rows = prefill_group(
-                self.model,
-                self._cache,
-                slots,
-                suffixes,
-                prefix,
-                self.prefill_step,
-                self.choices.prefill_buckets,
-            )
-        except Exception as exc:
-            mx.clear_cache()
-            return [self._drop(w, slot, exc) for w, slot in zip(group, slots, strict=True)]
-        self._stats.prefilled_tokens += sum(len(s) for s in suffixes)
-        self._stats.prefill_calls += 1
-        self._stats.prefill_seconds += time.perf_counter() - tic
-        for i, (w, slot) in enumerate(zip(group, slots, strict=True)):
-            if w.plan is not None and w.plan.store:
-                store_to = w.plan.store_to
-                w.plan.owner.store(w.plan, rows.row(i), w.run.prompt[:store_to], w.run.prompt)
-            self._seat(w, slot)
-        return []
-
-    def _drop(self, w: Waiting, slot: int, exc: Exception) -> Completion:
-        self._cache.free(slot)
-        if w.plan is not None:
-            w.plan.release()
-        return w.run.completion("error", "", f"could not start the job: {error_line(exc)}")
-
-    def _seat(self, w: Waiting, slot: int) -> None:
-        req = w.run.job.request
-        penalty = req.repetition_penalty
-        processors = [] if penalty is None else make_logits_processors(repetition_penalty=penalty)
-        sampler = make_job_sampler(req, self.info.vocab_size)
-        w.run.plan = w.plan
-        self._rows[slot] = Row(w.run, slot, sampler, processors, w.run.prompt[-1])
-        self._keys[w.run.job.key] = slot
-        for hook in self.hooks:
-            hook.admit(w.run.job.key, req)
 
     def _decode(self) -> list[Completion]:
         """Wait for the step in flight, launch the next, then do the bookkeeping of the one

@@ -1,0 +1,107 @@
+"""How the slot engine seats joining jobs: plan, prefill and seat one group at a time.
+
+A mixin of :class:`~mlxq.engine.slot_engine.SlotEngine` (the engine's state is its own):
+the policy of when a group joins and which jobs it holds is :mod:`mlxq.engine.slot_joins`
+(plain Python); the prefill itself is :mod:`mlxq.engine.slot_prefill`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_logits_processors
+
+from mlxq.engine.prompts import error_line
+from mlxq.engine.sampling import Completion, make_job_sampler
+from mlxq.engine.slot_decode import Row
+from mlxq.engine.slot_joins import Waiting, join_due, pick_group
+from mlxq.engine.slot_prefill import prefill_group
+
+
+class Joining:
+    """Joins of waiting jobs into the running batch (the slot engine's part; the state
+    below is the engine's, set in its constructor)."""
+
+    model: Any
+    info: Any
+    choices: Any
+    hooks: list[Any]
+    prefill_batch: int
+    prefill_step: int
+    prefill_tokens: int | None
+    join_wait: int
+    _cache: Any
+    _prefix: Any
+    _stats: Any
+    _waiting: list[Waiting]
+    _rows: dict[int, Row]
+    _keys: dict[str, int]
+    _inflight: Any
+    _steps: int
+    join_group: int  # (a property of the engine)
+
+    def _join_due(self) -> bool:
+        free = self._cache.free_slots
+        args = (len(self._rows), free, self.join_group, self._steps, self.join_wait)
+        return join_due(self._waiting, *args)
+
+    def _join(self) -> list[Completion]:
+        """Plan, prefill and seat the next group of waiting jobs (one prefill batch)."""
+        free = self._cache.free_slots
+        limit = free if self.prefill_tokens else min(self.prefill_batch, free)
+        tokens, step = self.prefill_tokens, self.prefill_step
+        group = pick_group(self._waiting, limit, self._prefix, tokens, step)
+        return self._prefill(group) if group else []
+
+    def _prefill(self, group: list[Waiting]) -> list[Completion]:
+        slots = [self._cache.alloc() for _ in group]
+        plan = group[0].plan
+        reused = plan.reused_tokens if plan is not None else 0
+        prefix = self._prefix.kv_cache(plan) if plan is not None and self._prefix else None
+        suffixes = [w.run.prompt[reused:-1] for w in group]
+        tic = time.perf_counter()
+        if self._inflight is not None:
+            # Let the step in flight finish first: while its attention still reads the
+            # cache, writing the group's rows would copy every layer instead of updating it.
+            mx.eval(self._inflight.sampled, self._inflight.logprobs)
+        try:
+            rows = prefill_group(
+                self.model,
+                self._cache,
+                slots,
+                suffixes,
+                prefix,
+                self.prefill_step,
+                self.choices.prefill_buckets,
+            )
+        except Exception as exc:
+            mx.clear_cache()
+            return [self._drop(w, slot, exc) for w, slot in zip(group, slots, strict=True)]
+        self._stats.prefilled_tokens += sum(len(s) for s in suffixes)
+        self._stats.prefill_calls += 1
+        self._stats.prefill_seconds += time.perf_counter() - tic
+        for i, (w, slot) in enumerate(zip(group, slots, strict=True)):
+            if w.plan is not None and w.plan.store:
+                store_to = w.plan.store_to
+                w.plan.owner.store(w.plan, rows.row(i), w.run.prompt[:store_to], w.run.prompt)
+            self._seat(w, slot)
+        return []
+
+    def _drop(self, w: Waiting, slot: int, exc: Exception) -> Completion:
+        self._cache.free(slot)
+        if w.plan is not None:
+            w.plan.release()
+        return w.run.completion("error", "", f"could not start the job: {error_line(exc)}")
+
+    def _seat(self, w: Waiting, slot: int) -> None:
+        req = w.run.job.request
+        penalty = req.repetition_penalty
+        processors = [] if penalty is None else make_logits_processors(repetition_penalty=penalty)
+        sampler = make_job_sampler(req, self.info.vocab_size)
+        w.run.plan = w.plan
+        self._rows[slot] = Row(w.run, slot, sampler, processors, w.run.prompt[-1])
+        self._keys[w.run.job.key] = slot
+        for hook in self.hooks:
+            hook.admit(w.run.job.key, req)
