@@ -69,7 +69,13 @@ def test_worker_registers_with_rq_and_finishes_jobs_through_rq(conn, profile):
     assert job.get_status() == "finished"
     rv = job.return_value()
     assert rv["job_id"] == ids[3] and rv["batch_id"] == info.batch_id and rv["index"] == 3
-    assert Queue("wq", connection=conn, serializer=serializer).started_job_registry.count == 0
+    queue = Queue("wq", connection=conn, serializer=serializer)
+    assert queue.started_job_registry.count == 0
+    # RQ's own readers see what its worker would have written.
+    assert sorted(queue.finished_job_registry.get_job_ids()) == sorted(ids)
+    assert job.ended_at is not None and job.started_at <= job.ended_at
+    assert job.worker_name == worker.name and job.is_finished
+    assert worker.failed_job_count == 0 and worker.total_working_time > 0
 
 
 def test_python_client_submits_waits_and_fetches_one(conn, profile, valkey_url):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import msgspec
 import redis
@@ -23,18 +22,18 @@ from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
 from mlxq.broker import fleet, keys, streams
-from mlxq.broker.intake import JobRejected, decode_job, dequeue_many, register
+from mlxq.broker.intake import dequeue_many, register
 from mlxq.broker.recovery import requeue_abandoned
 from mlxq.broker.rq_store import internals, transitions
 from mlxq.broker.serializer import serializer
-from mlxq.engine.prompts import JobInputError
 from mlxq.engine.runner import Runner, Work
 from mlxq.engine.sampling import Completion, EngineJob
-from mlxq.wire import JobMeta, Request, Result
+from mlxq.wire import Result
 from mlxq.worker import watchdog
 from mlxq.worker.outcomes import InFlight, build_result, still_held, unrun_result, write_results
 from mlxq.worker.profile import DEFAULTS, STALL_TIMEOUT_S
 from mlxq.worker.reporting import Reporter
+from mlxq.worker.vetting import Vetted, vet
 from mlxq.worker.watchdog import EngineStalled
 
 log = logging.getLogger("mlxq.worker")
@@ -46,16 +45,6 @@ CONTROL_INTERVAL_S = 0.5  # how often cancel flags and time limits are checked
 REPORT_INTERVAL_S = 2.0  # how often the worker publishes its state (WorkerInfo, metrics)
 RECOVERY_INTERVAL_S = 5.0  # how often abandoned jobs of dead workers are looked for
 MAX_BACKOFF_S = 30.0
-
-
-@dataclass
-class _Vetted:
-    """A job that passed vetting: what the engine runs, unless its batch expired."""
-
-    request: Request
-    tokens: list[int]
-    meta: JobMeta
-    expired: bool
 
 
 class MlxqWorker(BaseWorker):
@@ -244,20 +233,11 @@ class MlxqWorker(BaseWorker):
         """Vet jobs, hand the good ones to the engine together, then register them all as
         RQ executions: the engine starts on them meanwhile, and nothing is written back
         before they are registered (that happens on this thread)."""
-        vetted: list[_Vetted | str] = []
-        for job, _ in group:
-            try:
-                request, tokens = self._vet(job)
-            except (JobRejected, JobInputError) as e:
-                vetted.append(str(e))
-                continue
-            meta = msgspec.convert(job.meta or {}, JobMeta)
-            late = meta.expires_at is not None and time.time() > meta.expires_at
-            vetted.append(_Vetted(request, tokens, meta, late))
+        vetted = [vet(self.runner, job) for job, _ in group]
         works = [
             Work(EngineJob(job.id, v.request), v.tokens)
             for (job, _), v in zip(group, vetted, strict=True)
-            if isinstance(v, _Vetted) and not v.expired
+            if isinstance(v, Vetted) and not v.expired
         ]
         if works:
             self.runner.submit(works)
@@ -276,17 +256,6 @@ class MlxqWorker(BaseWorker):
             else:
                 self.inflight[job.id] = inf
         write_results(self, expired)
-
-    def _vet(self, job: Job) -> tuple[Request, list[int]]:
-        """The job's request and prompt tokens, or JobRejected/JobInputError saying why not."""
-        request = decode_job(job)
-        engine, scheduler = self.runner.engine, self.runner.scheduler
-        assert engine is not None and scheduler is not None
-        tokens = engine.encode(request)
-        problem = scheduler.fits_alone(len(tokens), request.max_tokens)
-        if problem:
-            raise JobRejected(problem)
-        return request, tokens
 
     # -- finishing jobs ------------------------------------------------------------------
     def _finish(self, completions: list[Completion]) -> None:

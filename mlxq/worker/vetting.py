@@ -1,0 +1,45 @@
+"""Vetting pulled jobs before the engine gets them: a valid mlxq request that this worker
+can run (its prompt tokenizes and its KV cache fits), and whether its batch expired.
+
+Nothing here writes to Redis: a refused job is failed through RQ by the worker.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import msgspec
+from rq.job import Job
+
+from mlxq.broker.intake import JobRejected, decode_job
+from mlxq.engine.prompts import JobInputError
+from mlxq.engine.runner import Runner
+from mlxq.wire import JobMeta, Request
+
+
+@dataclass
+class Vetted:
+    """A job that passed vetting: what the engine runs, unless its batch expired."""
+
+    request: Request
+    tokens: list[int]
+    meta: JobMeta
+    expired: bool
+
+
+def vet(runner: Runner, job: Job) -> Vetted | str:
+    """The job, ready for the engine, or why it cannot run (a one-line error)."""
+    try:
+        request = decode_job(job)
+        engine, scheduler = runner.engine, runner.scheduler
+        assert engine is not None and scheduler is not None
+        tokens = engine.encode(request)
+        problem = scheduler.fits_alone(len(tokens), request.max_tokens)
+        if problem:
+            raise JobRejected(problem)
+    except (JobRejected, JobInputError) as e:
+        return str(e)
+    meta = msgspec.convert(job.meta or {}, JobMeta)
+    late = meta.expires_at is not None and time.time() > meta.expires_at
+    return Vetted(request, tokens, meta, late)
