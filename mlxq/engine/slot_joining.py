@@ -61,11 +61,14 @@ class Joining:
         reused = plan.reused_tokens if plan is not None else 0
         prefix = self._prefix.kv_cache(plan) if plan is not None and self._prefix else None
         suffixes = [w.run.prompt[reused:-1] for w in group]
-        tic = time.perf_counter()
         if self._inflight is not None:
             # Let the step in flight finish first: while its attention still reads the
             # cache, writing the group's rows would copy every layer instead of updating it.
+            # (Its time is decode time, so it is counted there.)
+            tic = time.perf_counter()
             mx.eval(self._inflight.sampled, self._inflight.logprobs)
+            self._stats.decode_seconds += time.perf_counter() - tic
+        tic = time.perf_counter()
         try:
             rows = prefill_group(
                 self.model,

@@ -12,7 +12,8 @@ class EngineStats:
 
     ``prompt_tokens``: of admitted jobs; ``prefilled_tokens``: run through the model (not
     a prompt's last token, which the first decode step feeds, nor ``reused_tokens``, taken
-    from the prefix cache). ``prefill_seconds`` includes copies to and from that cache;
+    from the prefix cache). ``prefill_seconds`` includes copies to and from that cache
+    (not the wait for a decode step in flight before a group is written: decode time);
     ``prefix_cache_bytes`` is what it holds now. ``decode_steps`` and ``launch_seconds``
     (the host building and launching them, within ``decode_seconds``) tell a host-bound
     engine from a device-bound one; the ``BatchGenerator`` engine leaves them at 0.
