@@ -445,6 +445,7 @@ def test_decode_kernels_agree_and_free_rows_stay_finite() -> None:
     fused16 = fused_decode(q16[:4], k16[:4], v16[:4], dim**-0.5, mask[:4])
     assert mx.allclose(own16[:4], fused16, atol=2e-2).item()
     assert choose_kernel("cuda")[0] == "gqa" and choose_kernel("metal")[0] == "fused"
+    assert choose_kernel("cpu")[0] == "gqa"
     with pytest.raises(ValueError, match="gqa"):
         choose_kernel("cpu", "flash")
 
