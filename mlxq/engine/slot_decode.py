@@ -10,9 +10,9 @@ step instead of 17 for a 64-slot cache), so the engine waits for it first (a wai
 round trip: its tokens stay on the device and feed the next step). A row's input is its
 last token: a joining row's last prompt token, or the token the previous step sampled.
 Steps that need the tokens on the host first (per-row logits processors need the row's
-context; batch hooks advance matchers) launch the model's part (:func:`run_forward`)
-before the previous step's bookkeeping and sample (:func:`sample_step`) after it, so the
-forward still computes while the host advances the matchers.
+context; batch hooks advance matchers) hand the hooks the previous step's tokens first
+(a constraint hook then advances its matchers on a helper thread), launch the model's part
+(:func:`run_forward`), and sample (:func:`sample_step`) after the bookkeeping.
 """
 
 from __future__ import annotations

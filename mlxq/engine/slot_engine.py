@@ -254,8 +254,9 @@ class SlotEngine(Joining):
     def _decode(self) -> list[Completion]:
         """Wait for the step in flight, launch the next, then do the bookkeeping of the one
         before while the next computes (:mod:`mlxq.engine.slot_decode`). When a row needs
-        host tokens to sample (hooks that act, per-row processors), only the model's part
-        is launched before that bookkeeping, and sampling follows it."""
+        host tokens to sample (hooks that act, per-row processors), the hooks get the last
+        step's tokens first, the model's part is launched while they prepare, and sampling
+        follows the bookkeeping."""
         tic, done = time.perf_counter(), []
         # Hooks that act need host tokens each step; an idle one (no constrained row) does not.
         hooks_act = any(getattr(h, "active", True) for h in self.hooks)

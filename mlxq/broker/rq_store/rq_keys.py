@@ -48,7 +48,7 @@ def registry_keys(queue: str) -> tuple[str, str, str]:
     """(started, finished, failed) registry keys of a queue."""
     return (
         StartedJobRegistry.key_template.format(queue),
-        FinishedJobRegistry.key_template.format(queue),
+        finished_key(queue),
         FailedJobRegistry.key_template.format(queue),
     )
 
