@@ -7,6 +7,7 @@ check only ever decodes JSON (never pickle).
 from __future__ import annotations
 
 import msgspec
+import redis
 from rq.exceptions import DeserializationError
 from rq.executions import Execution
 from rq.job import Job
@@ -47,14 +48,39 @@ def dequeue_many(worker: BaseWorker, n: int) -> list[tuple[Job, Queue]]:
     return out
 
 
-def register(worker: BaseWorker, group: list[tuple[Job, Queue]]) -> list[Execution]:
-    """Register jobs as this worker's RQ executions (status ``started``), in one round trip."""
+def register(worker: BaseWorker, group: list[tuple[Job, Queue]]) -> list[Execution | None]:
+    """Register jobs as this worker's RQ executions (status ``started``), in one transaction.
+
+    None for a job that is no longer in the intermediate queue: a sweeper found it stranded
+    there (this worker took too long between dequeue and now) and put it back on its queue,
+    where another worker may already have it.
+    """
     with worker.connection.pipeline() as pipe:
-        worker.set_state(WorkerStatus.BUSY, pipeline=pipe)
-        executions = transitions.start_jobs(pipe, worker, group)
-        worker.heartbeat(worker.job_monitoring_interval + 60, pipeline=pipe)
-        pipe.execute()
-    return executions
+        while True:
+            pipe.watch(*[job.key for job, _ in group])
+            held = _still_dequeued(worker.connection, group)
+            pipe.multi()
+            worker.set_state(WorkerStatus.BUSY, pipeline=pipe)
+            kept = [g for g, ok in zip(group, held, strict=True) if ok]
+            executions = transitions.start_jobs(pipe, worker, kept)
+            worker.heartbeat(worker.job_monitoring_interval + 60, pipeline=pipe)
+            try:
+                pipe.execute()
+            except redis.WatchError:  # a sweeper (or a cancel) touched one: look again
+                for execution in executions:
+                    worker.executions.pop(execution.id, None)
+                pipe.reset()
+                continue
+            mine = iter(executions)
+            return [next(mine) if ok else None for ok in held]
+
+
+def _still_dequeued(conn: redis.Redis, group: list[tuple[Job, Queue]]) -> list[bool]:
+    """Whether each job's id is still in its queue's intermediate queue (one round trip)."""
+    with conn.pipeline(transaction=False) as pipe:
+        for job, queue in group:
+            pipe.lpos(queue.intermediate_queue_key, job.id)
+        return [pos is not None for pos in pipe.execute()]
 
 
 def decode_job(job: Job) -> Request:

@@ -72,6 +72,11 @@ def stream(job_id: str) -> str:
     return f"{PREFIX}:stream:{job_id}"
 
 
+def stranded(job_id: str) -> str:
+    """When a sweeper first saw this job stranded, unregistered, in an intermediate queue."""
+    return f"{PREFIX}:stranded:{job_id}"
+
+
 def cancel_flag(job_id: str) -> str:
     """Set by ``mlxq cancel`` for a running job; its worker stops it at the next step."""
     return f"{PREFIX}:cancel:{job_id}"

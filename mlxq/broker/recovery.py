@@ -5,11 +5,17 @@ score that its worker's heartbeat keeps pushing forward. When the score falls be
 clock, the worker is gone: RQ itself would mark such a job failed; mlxq puts it back at the
 front of its queue so another worker runs it. A job that keeps killing its workers (say it
 runs a machine out of memory) is failed after ``max_abandons`` tries instead of looping.
+
+A job can also be stranded before it is registered: a worker moves ids from a queue to
+RQ's intermediate queue, then registers them, and if it dies (or Redis goes away) in
+between, the ids stay there with status ``queued``. RQ's own cleanup fails such jobs after
+a minute, ten minutes apart; mlxq puts them back once they have sat there ``grace_s``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import redis
 from rq.job import Job
@@ -28,6 +34,47 @@ MAX_ABANDONS = 3
 def abandons_key(job_id: str) -> str:
     """How many times a dead worker has left this job behind."""
     return f"{keys.PREFIX}:abandons:{job_id}"
+
+
+def requeue_stranded(queue: Queue, grace_s: float) -> list[str]:
+    """Put back every job left in ``queue``'s intermediate queue, unregistered, for at least
+    ``grace_s`` seconds (from the first sweep that saw it); returns their ids."""
+    conn = queue.connection
+    moved = []
+    for raw in conn.lrange(queue.intermediate_queue_key, 0, -1):
+        job_id = raw.decode() if isinstance(raw, bytes) else raw
+        if _requeue_stranded_one(queue, job_id, grace_s):
+            moved.append(job_id)
+    return moved
+
+
+def _requeue_stranded_one(queue: Queue, job_id: str, grace_s: float) -> bool:
+    conn = queue.connection
+    with conn.pipeline() as pipe:
+        try:
+            # Registering a job writes its hash and takes its id out of the intermediate
+            # queue in one transaction: watching the hash sees a registration race.
+            pipe.watch(rq_keys.job_key(job_id))
+            status = pipe.hget(rq_keys.job_key(job_id), "status")
+            if status not in (b"queued", None):
+                return False  # registered meanwhile, or another writer's business
+            seen = pipe.get(keys.stranded(job_id))
+            if seen is None:
+                pipe.set(keys.stranded(job_id), time.time(), ex=keys.BATCH_TTL)
+                return False
+            if status is not None and time.time() - float(seen) < grace_s:
+                return False
+            pipe.multi()
+            transitions.requeue_stranded_one(pipe, queue, job_id, exists=status is not None)
+            pipe.delete(keys.stranded(job_id))
+            pipe.execute()
+        except redis.WatchError:
+            return False
+    if status is not None:
+        log.warning(
+            "job %s: stranded before it was registered; put it back on %s", job_id, queue.name
+        )
+    return status is not None
 
 
 def requeue_abandoned(queue: Queue, max_abandons: int = MAX_ABANDONS) -> list[str]:

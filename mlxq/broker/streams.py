@@ -8,7 +8,7 @@ can only be cut once it is complete, so its first characters may have been strea
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -16,28 +16,23 @@ import redis
 
 from mlxq.broker import keys
 from mlxq.broker.rq_store import reads, states
-from mlxq.engine.sampling import Completion, StreamChunk
+from mlxq.engine.sampling import StreamChunk
 from mlxq.wire import StreamEntry, json_encoder
 
 STREAM_TTL = 24 * 3600  # streams are for watching live; results keep the output for days
 _entry = msgspec.json.Decoder(StreamEntry)
 
 
-def publish(
-    conn: redis.Redis,
-    chunks: list[StreamChunk],
-    completions: list[Completion],
-    inflight: Mapping[str, Any],
-) -> None:
-    """Append new chunks, then end markers of finished stream jobs (one round trip)."""
-    ended = [c for c in completions if c.key in inflight and inflight[c.key].request.stream]
-    if not chunks and not ended:
+def publish(conn: redis.Redis, chunks: list[StreamChunk], ends: list[tuple[str, str]]) -> None:
+    """Append new chunks, then the end markers ``(job_id, finish_reason)`` of finished
+    stream jobs (one round trip)."""
+    if not chunks and not ends:
         return
     with conn.pipeline(transaction=False) as pipe:
         for ch in chunks:
             _add(pipe, ch.key, StreamEntry(text=ch.text, token_ids=ch.token_ids))
-        for c in ended:
-            _add(pipe, c.key, StreamEntry(finish_reason=c.finish_reason))
+        for job_id, reason in ends:
+            _add(pipe, job_id, StreamEntry(finish_reason=reason))
         pipe.execute()
 
 

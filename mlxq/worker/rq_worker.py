@@ -21,20 +21,22 @@ from rq.queue import Queue
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
-from mlxq.broker import fleet, keys, streams
+from mlxq.broker import fleet, keys
 from mlxq.broker.intake import dequeue_many, register
-from mlxq.broker.recovery import requeue_abandoned
+from mlxq.broker.recovery import requeue_abandoned, requeue_stranded
 from mlxq.broker.rq_store import internals, transitions
 from mlxq.broker.serializer import serializer
 from mlxq.engine.runner import Runner, Work
 from mlxq.engine.sampling import Completion, EngineJob
 from mlxq.wire import Result
 from mlxq.worker import watchdog
-from mlxq.worker.outcomes import InFlight, build_result, still_held, unrun_result, write_results
+from mlxq.worker.outcomes import InFlight, build_result, unrun_result, write_results
 from mlxq.worker.profile import DEFAULTS, STALL_TIMEOUT_S
 from mlxq.worker.reporting import Reporter
+from mlxq.worker.stopping import release_all
 from mlxq.worker.vetting import Vetted, vet
 from mlxq.worker.watchdog import EngineStalled
+from mlxq.worker.writeback import Writeback
 
 log = logging.getLogger("mlxq.worker")
 
@@ -80,6 +82,7 @@ class MlxqWorker(BaseWorker):
         self.stall_timeout = stall_timeout
         self.stalled = False
         self.inflight: dict[str, InFlight] = {}
+        self.owed = Writeback()  # ended jobs (and stream output) not yet written to Redis
         self.jobs_done = 0
         self.reporter: Reporter | None = None  # set by the launcher: fleet info, metrics
         # Called with each finished job's Result (progress bars, metrics).
@@ -135,12 +138,13 @@ class MlxqWorker(BaseWorker):
                     )
                     time.sleep(backoff)
                     backoff = min(backoff * 2, MAX_BACKOFF_S)
+                    self._last_beat = 0.0  # back from an outage: heartbeat first thing
             self._wind_down()
         except EngineStalled as e:
             self._on_stall(e)
             raise
         finally:
-            self._requeue_all()
+            release_all(self, self.inflight, self.runner, self.owed)
             if not self.stalled:  # a hung MLX thread never joins: do not wait for it
                 self.runner.stop()
                 self._forget()
@@ -150,15 +154,18 @@ class MlxqWorker(BaseWorker):
     def _pass(self, burst: bool, max_jobs: int | None) -> bool:
         """One pass of the loop; True when the worker is done."""
         self.check_for_suspension(burst)
-        self._maintain()
+        # Results and heartbeats before the sweep: after an outage the sweep would otherwise
+        # find this worker's own jobs lapsed and put them back.
         self._finish(self.runner.completions())
-        if max_jobs is not None and self.jobs_done >= max_jobs and not self.inflight:
+        self._beat_if_due()
+        self._maintain()
+        busy = bool(self.inflight or self.owed)
+        if max_jobs is not None and self.jobs_done >= max_jobs and not busy:
             return True
-        pulled = self._pull(block=not self.inflight and not burst)
+        pulled = self._pull(block=not busy and not burst)
         if burst and not pulled and not self.inflight:
             self.log.info("Worker %s: queues empty, nothing in flight: done", self.name)
             return True
-        self._beat_if_due()
         self._report_if_due()
         self._control_if_due()
         if self.inflight:
@@ -186,6 +193,7 @@ class MlxqWorker(BaseWorker):
             self._last_sweep = time.monotonic()
             for queue in self.queues:
                 requeue_abandoned(queue)
+                requeue_stranded(queue, self.abandon_after)
         if maintenance:
             self.run_maintenance_tasks()
 
@@ -241,45 +249,40 @@ class MlxqWorker(BaseWorker):
         ]
         if works:
             self.runner.submit(works)
+        try:
+            executions = register(self, group)
+        except redis.RedisError:
+            # Unregistered, the jobs stay in RQ's intermediate queue for the sweep.
+            for w in works:
+                self.runner.cancel(w.job.key)
+            raise
         expired: list[tuple[InFlight, Result]] = []
-        for (job, queue), execution, v in zip(group, register(self, group), vetted, strict=True):
-            if isinstance(v, str):
+        for (job, queue), execution, v in zip(group, executions, vetted, strict=True):
+            if execution is None:
+                self.runner.cancel(job.id)
+                self.log.warning(
+                    "Worker %s: job %s was put back before it started", self.name, job.id
+                )
+            elif isinstance(v, str):
                 result = transitions.result_without_output(
                     job, "error", v, model=self.model_name, worker=self.name
                 )
                 self._fail(job, queue, execution, result, reason="rejected")
-                continue
-            inf = InFlight(job, queue, execution, v.request, v.meta, time.time())
-            if v.expired:
+            elif v.expired:
+                inf = InFlight(job, queue, execution, v.request, v.meta, time.time())
                 msg = "the batch expired before this request ran"
                 expired.append((inf, unrun_result(inf, "expired", msg, self.model_name, self.name)))
             else:
+                inf = InFlight(job, queue, execution, v.request, v.meta, time.time())
                 self.inflight[job.id] = inf
         write_results(self, expired)
 
     # -- finishing jobs ------------------------------------------------------------------
     def _finish(self, completions: list[Completion]) -> None:
-        """Write back finished jobs: results in one transaction, failures through RQ."""
-        streams.publish(self.connection, self.runner.stream_chunks(), completions, self.inflight)
-        done: list[tuple[InFlight, Result]] = []
-        for c in completions:
-            inf = self.inflight.pop(c.key, None)
-            if inf is None:
-                continue
-            self.jobs_done += 1
-            result = build_result(inf, c, self.model_name, self.name)
-            if self.on_finish is not None:
-                self.on_finish(result)
-            if self.reporter is not None:
-                self.reporter.finished(result)
-            if c.finish_reason == "error":
-                if still_held(self.connection, [inf])[0]:
-                    if result.error is None:
-                        result = msgspec.structs.replace(result, error="generation failed")
-                    self._fail(inf.job, inf.queue, inf.execution, result)
-            else:
-                done.append((inf, result))
-        for inf in write_results(self, done):
+        """Take what the MLX thread finished, then write back everything owed: stream
+        output, results in one transaction, failures through RQ."""
+        self._take(completions)
+        for inf in self.owed.flush(self, self._fail_inflight):
             self.log.warning(
                 "Worker %s: job %s was handed to another worker while this one "
                 "was away; dropped this late result",
@@ -292,6 +295,31 @@ class MlxqWorker(BaseWorker):
             # Publish the emptied batch now: an idle worker next blocks on its queues, and
             # readers would see the last running batch until that returns.
             self._report_if_due(force=True)
+
+    def _take(self, completions: list[Completion]) -> None:
+        """Move finished jobs from in flight to owed, with their results (no Redis here)."""
+        self.owed.chunks += self.runner.stream_chunks()
+        for c in completions:
+            inf = self.inflight.pop(c.key, None)
+            if inf is None:
+                continue
+            if inf.request.stream:
+                self.owed.stream_ends.append((c.key, c.finish_reason))
+            self.jobs_done += 1
+            result = build_result(inf, c, self.model_name, self.name)
+            if self.on_finish is not None:
+                self.on_finish(result)
+            if self.reporter is not None:
+                self.reporter.finished(result)
+            if c.finish_reason == "error":
+                if result.error is None:
+                    result = msgspec.structs.replace(result, error="generation failed")
+                self.owed.failed.append((inf, result))
+            else:
+                self.owed.done.append((inf, result))
+
+    def _fail_inflight(self, inf: InFlight, result: Result) -> None:
+        self._fail(inf.job, inf.queue, inf.execution, result)
 
     def _fail(
         self, job: Job, queue: Queue, execution, result: Result, reason: str = "error"
@@ -340,31 +368,12 @@ class MlxqWorker(BaseWorker):
     def _wind_down(self) -> None:
         """Finish in-flight jobs within the grace period (a second signal cuts it short)."""
         deadline = time.monotonic() + self.grace_period
-        while self.inflight and not self._force_stop and time.monotonic() < deadline:
+        while (self.inflight or self.owed) and not self._force_stop and time.monotonic() < deadline:
             try:
                 self._finish(self.runner.completions(timeout=0.1))
                 self._beat_if_due()
             except (redis.ConnectionError, redis.TimeoutError):
                 time.sleep(0.5)
-
-    def _requeue_all(self) -> None:
-        """Put every job still held back at the front of its queue for another worker."""
-        for key, inf in list(self.inflight.items()):
-            self.runner.cancel(key)
-            try:
-                with self.connection.pipeline() as pipe:
-                    transitions.put_back(pipe, self, inf.job, inf.queue, inf.execution)
-                    pipe.execute()
-                self.log.info("Worker %s: put job %s back on %s", self.name, key, inf.queue.name)
-            except redis.RedisError as e:
-                self.log.error(
-                    "Worker %s: could not requeue %s (%s); the other workers "
-                    "will put it back once its heartbeat lapses",
-                    self.name,
-                    key,
-                    e,
-                )
-            del self.inflight[key]
 
     def _forget(self) -> None:
         """Drop this worker from `mlxq workers` at once on a clean exit."""

@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from mlxq.broker import batches as q
+from mlxq.broker.rq_store import rq_keys
 from mlxq.server import make_server
 from mlxq.wire import Request
 
@@ -80,7 +81,7 @@ def assert_books_balance(conn: redis.Redis, batch_id: str, n: int) -> list:
     counted = q.count_jobs(conn, batch_id)
     assert counted["finished"] == n and counted["queued"] == counted["started"] == 0, counted
     ids = q.batch_job_ids(conn, batch_id)
-    assert [conn.xlen(f"rq:results:{j}") for j in ids] == [1] * n
+    assert [conn.xlen(rq_keys.results_key(j)) for j in ids] == [1] * n
     results = list(q.iter_batch_results(conn, batch_id))
     assert [r.custom_id for r in results] == [f"r{i}" for i in range(n)]
     return results
@@ -112,6 +113,27 @@ def test_killed_worker_jobs_complete_on_another_worker(tiny_model, valkey_url, c
     assert {r.worker for r in results} <= {"doomed", "rescuer"}
     assert recovery_s < 60, recovery_s
     print(f"recovered {held} jobs of a SIGKILLed worker in {recovery_s:.1f}s")
+
+
+def test_jobs_dequeued_by_a_worker_that_died_before_registering_them_still_run(
+    tiny_model, valkey_url, conn
+):
+    """A worker moves ids to RQ's intermediate queue, then registers them; one killed in
+    between (or cut off from Redis) leaves them there, still ``queued``."""
+    batch = submit(conn, 6, max_tokens=20)
+    queue = q.make_queue(conn, "faults")
+    for _ in range(2):
+        conn.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT")
+    b = start_worker(valkey_url, tiny_model, "--abandon-after", "3", name="sweeper")
+    try:
+        wait_until(lambda: q.batch_status(conn, batch).done == 6, 120, "the batch to finish")
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {q.batch_status(conn, batch)}\n{stop(b)}") from e
+    out = stop(b)
+    assert b.returncode == 0, out
+    assert_books_balance(conn, batch, 6)
+    assert conn.llen(queue.intermediate_queue_key) == 0
+    assert out.count("stranded before it was registered") == 2, out
 
 
 def test_sigterm_finishes_or_puts_back_and_exits_zero(tiny_model, valkey_url, conn):

@@ -44,6 +44,12 @@ def executions_key(job_id: str) -> str:
     return f"{RQ_KEY_PREFIX}:executions:{job_id}"
 
 
+def intermediate_first_seen_key(queue: Queue, job_id: str) -> str:
+    """RQ's mark of when its own cleanup first saw a job in the intermediate queue (it fails
+    the job if it sees it again a minute later)."""
+    return queue.intermediate_queue.get_first_seen_key(job_id)
+
+
 def registry_keys(queue: str) -> tuple[str, str, str]:
     """(started, finished, failed) registry keys of a queue."""
     return (

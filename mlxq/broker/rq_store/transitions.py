@@ -14,6 +14,7 @@ from rq.utils import now, utcformat
 from rq.worker import BaseWorker
 
 from mlxq.broker import keys
+from mlxq.broker.rq_store import rq_keys
 from mlxq.broker.rq_store.counters import batch_of, move
 from mlxq.broker.rq_store.rq_keys import (
     execution_key,
@@ -167,6 +168,7 @@ def start_jobs(pipe: Any, worker: BaseWorker, group: list[tuple[Job, Queue]]) ->
         job.prepare_for_execution(worker.name, pipeline=pipe)  # sets last_heartbeat too
         pipe.persist(job.key)
         pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+        pipe.delete(keys.stranded(job.id))
     return executions
 
 
@@ -182,3 +184,14 @@ def requeue_abandoned_one(pipe: Any, queue: Queue, job_id: str, batch_id: str | 
     move(pipe, job_id, batch_id, "queued")
     pipe.hset(job_key(job_id), "status", JobStatus.QUEUED.value)
     pipe.lpush(queue.key, job_id)
+
+
+def requeue_stranded_one(pipe: Any, queue: Queue, job_id: str, exists: bool) -> None:
+    """Queue in ``pipe`` taking a job id out of the intermediate queue, and putting it back
+    at the front of its queue if the job still exists (its status and counters still say
+    ``queued``: it was never registered)."""
+    pipe.lrem(queue.intermediate_queue_key, 1, job_id)
+    pipe.delete(rq_keys.intermediate_first_seen_key(queue, job_id))
+    if exists:
+        pipe.hset(job_key(job_id), "status", JobStatus.QUEUED.value)  # touches it for WATCH
+        pipe.lpush(queue.key, job_id)
