@@ -234,6 +234,17 @@ def run_raw(model: Any, wl: Workload, batch: int, prefill_batch: int, prefill_st
     return result
 
 
+# The engine's counts each mlxq row reports (EngineStats fields).
+WORK_STATS = (
+    "prefilled_tokens",
+    "prefill_calls",
+    "decode_seconds",
+    "decode_steps",
+    "launch_seconds",
+)
+PREFIX_STATS = ("prefix_hits", "reused_tokens", "stored_tokens", "prefix_evictions")
+
+
 def run_mlxq(
     model: Any,
     tokenizer: Any,
@@ -297,8 +308,8 @@ def run_mlxq(
     wall = submit_s + work_s + read_s
     done = [r for r in results if r is not None and r.finish_reason in ("length", "stop")]
     gen = sum(r.usage.completion_tokens for r in done)
-    start, end = readings["start"], runner.engine.stats()
-    prefill_s = end.prefill_seconds - start.prefill_seconds
+    done_work = runner.engine.stats().since(readings["start"])
+    prefill_s = done_work.prefill_seconds
     mode = ("mlxq" if engine == "slot" else "mlxq-bg") + ("+prefix" if prefix_cache_bytes else "")
     result = ModeResult(mode, wall, gen, wl.prompt_tokens, rate(wl.prompt_tokens, prefill_s))
     result.peak_gb = _peak_gb()
@@ -306,13 +317,11 @@ def run_mlxq(
     result.extra = {"submit_s": submit_s, "worker_s": work_s, "read_s": read_s}
     result.extra["worker_exit_s"] = exit_s
     result.extra["prefill_s"] = prefill_s
-    result.extra["prefilled_tokens"] = end.prefilled_tokens - start.prefilled_tokens
-    for k in ("decode_seconds", "decode_steps", "launch_seconds", "prefill_calls"):
-        result.extra[k] = getattr(end, k) - getattr(start, k)
+    keep = WORK_STATS
     if prefix_cache_bytes:
         result.extra["prefix_cache_bytes"] = prefix_cache_bytes
-        for k in ("prefix_hits", "reused_tokens", "stored_tokens", "prefix_evictions"):
-            result.extra[k] = getattr(end, k) - getattr(start, k)
+        keep += PREFIX_STATS
+    result.extra.update({k: getattr(done_work, k) for k in keep})
     return result
 
 

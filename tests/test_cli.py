@@ -82,6 +82,9 @@ def test_run_and_make_model_print_json_summaries(tmp_path, batch_file):
     summary = json.loads(run.stdout)
     assert summary["total"] == summary["finished"] == 3 and summary["output"] == str(out)
     assert len(out.read_text().splitlines()) == 3
+    engine = summary["engine"]  # where the time went
+    assert engine["decode_steps"] > 0 and engine["prefill_calls"] > 0, engine
+    assert engine["generated_tokens"] == summary["generated_tokens"], engine
 
 
 def test_results_in_openai_batch_format_with_an_errors_file(valkey_url, conn, tmp_path, tiny_model):

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import click
+import msgspec
 
 from mlxq.broker import batches as q
 from mlxq.broker import keys
@@ -71,6 +72,9 @@ def run(
     setup = Setup(prof)
     click.echo(f"loading {prof.model}", err=True)
     setup.start()
+    engine = setup.runner.engine
+    assert engine is not None
+    before = engine.stats()  # the warmup's work is not the run's
     server = contextlib.nullcontext(redis_url) if redis_url else embedded()
     with server as url:
         conn = connect(url, writes_jobs=True)
@@ -122,5 +126,7 @@ def run(
             "generated_tokens": tokens[0],
             "seconds": round(elapsed, 3),
             "output": output,
+            # Where the time went: prefill and decode, steps and calls (see EngineStats).
+            "engine": msgspec.to_builtins(engine.stats().since(before)),
         }
         click.echo(json_encoder.encode(summary).decode())

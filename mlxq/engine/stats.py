@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,14 @@ class EngineStats:
     stored_tokens: int = 0
     prefix_cache_bytes: int = 0
     prefix_evictions: int = 0
+
+    def since(self, before: EngineStats) -> EngineStats:
+        """The work done after the ``before`` snapshot (the cache's size stays as now)."""
+        out = dataclasses.replace(self)
+        for f in dataclasses.fields(self):
+            if f.name != "prefix_cache_bytes":
+                setattr(out, f.name, getattr(self, f.name) - getattr(before, f.name))
+        return out
 
 
 def add_work(stats: EngineStats, work: Any) -> None:
