@@ -91,14 +91,14 @@ def test_results_owed_while_redis_is_away_are_written_when_it_is_back(conn, valk
     owed.done.append((inf, result))
     worker.connection = redis.Redis(port=1, socket_connect_timeout=0.5)  # Redis is gone
     try:
-        owed.flush(worker, fail=lambda inf, r: None)
+        owed.flush(worker, fail=lambda f: None)
     except redis.ConnectionError:
         pass
     else:
         raise AssertionError("a write to a dead Redis succeeded")
     assert len(owed) == 1  # kept for the next try
     worker.connection = conn
-    assert owed.flush(worker, fail=lambda inf, r: None) == []
+    assert owed.flush(worker, fail=lambda f: None) == []
     assert len(owed) == 0
     assert [r.text for r in q.iter_batch_results(conn, batch)] == ["done"]
     status = q.batch_status(conn, batch)

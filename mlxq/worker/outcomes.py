@@ -8,7 +8,9 @@ writes run in one optimistic transaction that watches the jobs' hashes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 import redis
@@ -35,7 +37,14 @@ class InFlight:
     stop_reason: FinishReason | None = None  # "timeout"/"cancelled" when the worker stopped it
 
 
-def still_held(conn: redis.Redis, items: list[InFlight]) -> list[bool]:
+class Held(Protocol):
+    """A job this worker registered: its queue and its RQ execution."""
+
+    queue: Queue
+    execution: Execution
+
+
+def still_held(conn: redis.Redis, items: Sequence[Held]) -> list[bool]:
     """Whether each job's execution is still registered as running (one round trip)."""
     with conn.pipeline(transaction=False) as pipe:
         for inf in items:

@@ -30,13 +30,13 @@ from mlxq.engine.runner import Runner, Work
 from mlxq.engine.sampling import Completion, EngineJob
 from mlxq.wire import Result
 from mlxq.worker import watchdog
-from mlxq.worker.outcomes import InFlight, build_result, unrun_result, write_results
+from mlxq.worker.outcomes import InFlight, build_result, unrun_result
 from mlxq.worker.profile import DEFAULTS, STALL_TIMEOUT_S
 from mlxq.worker.reporting import Reporter
 from mlxq.worker.stopping import release_all
 from mlxq.worker.vetting import Vetted, vet
 from mlxq.worker.watchdog import EngineStalled
-from mlxq.worker.writeback import Writeback
+from mlxq.worker.writeback import Failure, Writeback
 
 log = logging.getLogger("mlxq.worker")
 
@@ -256,7 +256,7 @@ class MlxqWorker(BaseWorker):
             for w in works:
                 self.runner.cancel(w.job.key)
             raise
-        expired: list[tuple[InFlight, Result]] = []
+        # Every outcome is owed before any is written: a Redis error midway loses none.
         for (job, queue), execution, v in zip(group, executions, vetted, strict=True):
             if execution is None:
                 self.runner.cancel(job.id)
@@ -267,28 +267,23 @@ class MlxqWorker(BaseWorker):
                 result = transitions.result_without_output(
                     job, "error", v, model=self.model_name, worker=self.name
                 )
-                self._fail(job, queue, execution, result, reason="rejected")
-            elif v.expired:
-                inf = InFlight(job, queue, execution, v.request, v.meta, time.time())
-                msg = "the batch expired before this request ran"
-                expired.append((inf, unrun_result(inf, "expired", msg, self.model_name, self.name)))
+                self.owed.failed.append(Failure(job, queue, execution, result, "rejected"))
             else:
                 inf = InFlight(job, queue, execution, v.request, v.meta, time.time())
-                self.inflight[job.id] = inf
-        write_results(self, expired)
+                if v.expired:
+                    msg = "the batch expired before this request ran"
+                    result = unrun_result(inf, "expired", msg, self.model_name, self.name)
+                    self.owed.done.append((inf, result))
+                else:
+                    self.inflight[job.id] = inf
+        self._flush()
 
     # -- finishing jobs ------------------------------------------------------------------
     def _finish(self, completions: list[Completion]) -> None:
         """Take what the MLX thread finished, then write back everything owed: stream
         output, results in one transaction, failures through RQ."""
         self._take(completions)
-        for inf in self.owed.flush(self, self._fail_inflight):
-            self.log.warning(
-                "Worker %s: job %s was handed to another worker while this one "
-                "was away; dropped this late result",
-                self.name,
-                inf.job.id,
-            )
+        self._flush()
         if not self.inflight and self.get_state() == WorkerStatus.BUSY:
             self.set_state(WorkerStatus.IDLE)
         if completions and not self.inflight:
@@ -314,12 +309,22 @@ class MlxqWorker(BaseWorker):
             if c.finish_reason == "error":
                 if result.error is None:
                     result = msgspec.structs.replace(result, error="generation failed")
-                self.owed.failed.append((inf, result))
+                self.owed.failed.append(Failure(inf.job, inf.queue, inf.execution, result))
             else:
                 self.owed.done.append((inf, result))
 
-    def _fail_inflight(self, inf: InFlight, result: Result) -> None:
-        self._fail(inf.job, inf.queue, inf.execution, result)
+    def _flush(self) -> None:
+        """Write back everything owed (see :class:`~mlxq.worker.writeback.Writeback`)."""
+        for inf in self.owed.flush(self, self._fail_owed):
+            self.log.warning(
+                "Worker %s: job %s was handed to another worker while this one "
+                "was away; dropped this late result",
+                self.name,
+                inf.job.id,
+            )
+
+    def _fail_owed(self, f: Failure) -> None:
+        self._fail(f.job, f.queue, f.execution, f.result, f.reason)
 
     def _fail(
         self, job: Job, queue: Queue, execution, result: Result, reason: str = "error"

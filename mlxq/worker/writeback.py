@@ -8,7 +8,11 @@ here, in order, and the next pass writes them once Redis is back.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
+from rq.executions import Execution
+from rq.job import Job
+from rq.queue import Queue
 from rq.worker import BaseWorker
 
 from mlxq.broker import streams
@@ -17,13 +21,25 @@ from mlxq.wire import Result
 from mlxq.worker.outcomes import InFlight, still_held, write_results
 
 
+@dataclass
+class Failure:
+    """A registered job to fail (or retry) through RQ: a generation error, or a job refused
+    at vetting (``reason`` is its category for the worker's counters)."""
+
+    job: Job
+    queue: Queue
+    execution: Execution
+    result: Result
+    reason: str = "error"
+
+
 class Writeback:
     """Stream chunks, stream end markers, failures and results waiting to be written."""
 
     def __init__(self) -> None:
         self.chunks: list[StreamChunk] = []
         self.stream_ends: list[tuple[str, str]] = []  # (job id, finish reason)
-        self.failed: list[tuple[InFlight, Result]] = []  # generation errors, via RQ's retry
+        self.failed: list[Failure] = []
         self.done: list[tuple[InFlight, Result]] = []
 
     def __len__(self) -> int:
@@ -39,9 +55,8 @@ class Writeback:
             streams.publish(worker.connection, self.chunks, self.stream_ends)
             self.chunks, self.stream_ends = [], []
         while self.failed:
-            inf, result = self.failed[0]
-            if still_held(worker.connection, [inf])[0]:
-                fail(inf, result)
+            if still_held(worker.connection, self.failed[:1])[0]:
+                fail(self.failed[0])
             self.failed.pop(0)
         lost = write_results(worker, self.done)
         self.done = []
