@@ -115,7 +115,13 @@ def run(
                 fail(f"engine stalled: {e}; rerun (the batch is {batch_id})", code=STALLED_EXIT)
         s = q.batch_status(conn, batch_id)
         elapsed = time.monotonic() - start
-        click.echo(f"{s.finished} finished, {s.failed} failed in {elapsed:.1f}s", err=True)
+        work = engine.stats().since(before)
+        click.echo(
+            f"{s.finished} finished, {s.failed} failed in {elapsed:.1f}s: "
+            f"{tokens[0] / max(elapsed, 1e-9):,.0f} generated tok/s "
+            f"(prefill {work.prefill_seconds:.1f}s, decode {work.decode_seconds:.1f}s)",
+            err=True,
+        )
         emit_results(conn, batch_id, output)
     if as_json:  # a summary for scripts, after the results are safely written
         summary = {
@@ -127,6 +133,6 @@ def run(
             "seconds": round(elapsed, 3),
             "output": output,
             # Where the time went: prefill and decode, steps and calls (see EngineStats).
-            "engine": msgspec.to_builtins(engine.stats().since(before)),
+            "engine": msgspec.to_builtins(work),
         }
         click.echo(json_encoder.encode(summary).decode())
