@@ -3,6 +3,8 @@ put back or written later, never lost and never run twice (a real Valkey)."""
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import redis
 from rq.job import Job, JobStatus
@@ -12,9 +14,11 @@ from mlxq.broker import batches as q
 from mlxq.broker import keys
 from mlxq.broker.intake import dequeue_many, register
 from mlxq.broker.recovery import requeue_stranded
+from mlxq.broker.rq_store import rq_keys
 from mlxq.broker.serializer import serializer
 from mlxq.wire import JobMeta, Request, Result
 from mlxq.worker.outcomes import InFlight
+from mlxq.worker.rq_worker import MlxqWorker
 from mlxq.worker.writeback import Writeback
 
 
@@ -55,6 +59,33 @@ def test_a_deleted_job_leaves_the_intermediate_queue_without_coming_back(conn):
     assert requeue_stranded(queue, grace_s=3600) == []
     assert _ids(conn, queue.intermediate_queue_key) == []
     assert _ids(conn, queue.key) == []
+
+
+def _stranded_long_ago(conn: redis.Redis) -> tuple[Worker, Job]:
+    """A job stranded in the intermediate queue, marked by RQ's cleanup an hour ago."""
+    _, rq_worker = _setup(conn, 1)
+    queue = rq_worker.queues[0]
+    ((job, _),) = dequeue_many(rq_worker, 1)
+    conn.set(rq_keys.intermediate_first_seen_key(queue, job.id), time.time() - 3600)
+    return rq_worker, job
+
+
+def test_rqs_own_maintenance_fails_a_stranded_job(conn):
+    """Why mlxq's worker leaves that cleanup out (this fails if RQ changes it)."""
+    rq_worker, job = _stranded_long_ago(conn)
+    rq_worker.clean_registries()
+    assert Job.fetch(job.id, connection=conn).get_status() == JobStatus.FAILED
+
+
+def test_an_mlxq_worker_leaves_stranded_jobs_to_its_sweep(conn):
+    rq_worker, job = _stranded_long_ago(conn)
+    queue = rq_worker.queues[0]
+    worker = MlxqWorker([queue], connection=conn, runner=None, model_name="m")  # type: ignore[arg-type]
+    worker.clean_registries()
+    assert Job.fetch(job.id, connection=conn).get_status() == JobStatus.QUEUED
+    requeue_stranded(queue, grace_s=0)
+    assert requeue_stranded(queue, grace_s=0) == [job.id]
+    assert not conn.exists(rq_keys.intermediate_first_seen_key(queue, job.id))
 
 
 def test_registering_a_job_the_sweep_took_back_gives_it_up(conn):

@@ -185,6 +185,11 @@ class MlxqWorker(BaseWorker):
                 self.reporter, self.connection, self.runner, self.inflight, self.abandon_after
             )
 
+    def clean_registries(self) -> None:
+        """RQ's maintenance of its registries, less the cleanup that fails stranded jobs:
+        ``_maintain`` puts them back on their queues."""
+        internals.clean_registries_but_intermediate(self)
+
     def _maintain(self) -> None:
         # Swept right before RQ's own maintenance too: RQ would fail abandoned jobs
         # (bypassing the batch counters) where mlxq puts them back.

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from rq import worker_registration
 from rq.job import Job
 from rq.queue import Queue
+from rq.registry import clean_registries
+from rq.utils import now
 from rq.worker import BaseWorker
 
 
@@ -41,3 +44,16 @@ def pubsub_error_handler(worker: BaseWorker) -> Any:
 def enqueue_again(queue: Queue, job: Job, pipe: Any, at_front: bool) -> None:
     """Put an existing job back on its queue (RQ's own requeue path, without its checks)."""
     queue._enqueue_job(job, pipeline=pipe, at_front=at_front)
+
+
+def clean_registries_but_intermediate(worker: BaseWorker) -> None:
+    """RQ's ``BaseWorker.clean_registries`` (RQ 3.0) less its intermediate-queue cleanup,
+    which fails a job stranded there; mlxq's sweep puts it back instead
+    (``recovery.requeue_stranded``)."""
+    for queue in worker.queues:
+        if queue.acquire_maintenance_lock():  # one worker per queue at a time
+            worker.log.info("Worker %s: cleaning registries for queue: %s", worker.name, queue.name)
+            clean_registries(queue, worker._exc_handlers)
+            worker_registration.clean_worker_registry(queue)
+            queue.release_maintenance_lock()
+    worker.last_cleaned_at = now()
