@@ -60,7 +60,9 @@ def _requeue_stranded_one(queue: Queue, job_id: str, grace_s: float) -> bool:
                 return False  # registered meanwhile, or another writer's business
             seen = pipe.get(keys.stranded(job_id))
             if seen is None:
-                pipe.set(keys.stranded(job_id), time.time(), ex=keys.BATCH_TTL)
+                # Outlives any grace (abandon_after is at most an hour); a mark left by a
+                # race with the job's registration just expires.
+                pipe.set(keys.stranded(job_id), time.time(), ex=max(2 * 3600, 2 * int(grace_s)))
                 return False
             if status is not None and time.time() - float(seen) < grace_s:
                 return False
