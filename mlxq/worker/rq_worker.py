@@ -30,6 +30,7 @@ from mlxq.engine.runner import Runner, Work
 from mlxq.engine.sampling import Completion, EngineJob
 from mlxq.wire import Result
 from mlxq.worker import watchdog
+from mlxq.worker.outage import Outage
 from mlxq.worker.outcomes import InFlight, build_result, unrun_result
 from mlxq.worker.profile import DEFAULTS, STALL_TIMEOUT_S
 from mlxq.worker.reporting import Reporter
@@ -46,7 +47,6 @@ IDLE_PULL_TIMEOUT_S = 1  # blocking pull when idle: short, so stop requests are 
 CONTROL_INTERVAL_S = 0.5  # how often cancel flags and time limits are checked
 REPORT_INTERVAL_S = 2.0  # how often the worker publishes its state (WorkerInfo, metrics)
 RECOVERY_INTERVAL_S = 5.0  # how often abandoned jobs of dead workers are looked for
-MAX_BACKOFF_S = 30.0
 
 
 class MlxqWorker(BaseWorker):
@@ -122,23 +122,18 @@ class MlxqWorker(BaseWorker):
         self.bootstrap(logging_level)
         internals.install_signal_handlers(self)
         self.set_state(WorkerStatus.IDLE)
-        backoff = 0.5
+        outage = Outage(self.log, self.name)
         try:
             while not (internals.stop_requested(self) or self._force_stop):
                 try:
-                    if self._pass(burst, max_jobs):
-                        break
-                    backoff = 0.5
+                    done = self._pass(burst, max_jobs)
                 except (redis.ConnectionError, redis.TimeoutError) as e:
-                    self.log.error(
-                        "Worker %s: Redis unreachable (%s); retrying in %.1fs",
-                        self.name,
-                        e,
-                        backoff,
-                    )
-                    time.sleep(backoff)
-                    backoff = min(backoff * 2, MAX_BACKOFF_S)
+                    time.sleep(outage.lost(e, len(self.owed)))
                     self._last_beat = 0.0  # back from an outage: heartbeat first thing
+                    continue
+                outage.passed()
+                if done:
+                    break
             self._wind_down()
         except EngineStalled as e:
             self._on_stall(e)

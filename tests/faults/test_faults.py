@@ -207,7 +207,7 @@ def test_redis_restart_mid_batch_loses_nothing(tiny_model, tmp_path):
         log = stop(w)
         server.stop()
     assert w.returncode == 0, log
-    assert "Redis unreachable" in log
+    assert "Redis unreachable" in log and "Redis reachable again" in log, log
 
 
 def test_cancel_stops_queued_and_running_jobs(tiny_model, valkey_url, conn):
