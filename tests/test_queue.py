@@ -104,3 +104,27 @@ def test_wait_times_out_with_a_hint(conn):
     info = q.submit(conn, _reqs(1), queue="qa")
     with pytest.raises(TimeoutError, match="is a worker running on queue 'qa'"):
         q.wait_for_batch(conn, info.batch_id, timeout=0.3, poll=0.1)
+
+
+def test_two_cancels_racing_over_the_same_jobs_each_settle(conn, monkeypatch):
+    """`mlxq cancel` and an API poll may cancel one batch at once: the one that comes second
+    finds the jobs cancelled between its read and its write, and looks again (RQ's own
+    cancel refuses a cancelled job)."""
+    batch = q.submit(conn, _reqs(3), queue="race").batch_id
+    fetch_many = Job.fetch_many
+    racing = []
+
+    def fetch_then_race(*args, **kwargs):
+        jobs = fetch_many(*args, **kwargs)
+        if not racing:  # the other canceller's whole cancel lands right after this read
+            racing.append(True)
+            assert q.cancel_batch(conn, batch, stop_running=False) is not None
+        return jobs
+
+    monkeypatch.setattr(Job, "fetch_many", staticmethod(fetch_then_race))
+    q.cancel_batch(conn, batch, stop_running=False)
+    status = q.batch_status(conn, batch)
+    assert (status.cancelled, status.queued, status.total) == (3, 0, 3), status
+    results = list(q.iter_batch_results(conn, batch))
+    assert [r.finish_reason for r in results] == ["cancelled"] * 3
+    assert [conn.xlen(rq_keys.results_key(r.job_id)) for r in results] == [1, 1, 1]

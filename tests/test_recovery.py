@@ -134,3 +134,19 @@ def test_results_owed_while_redis_is_away_are_written_when_it_is_back(conn, valk
     assert [r.text for r in q.iter_batch_results(conn, batch)] == ["done"]
     status = q.batch_status(conn, batch)
     assert (status.finished, status.started) == (1, 0), status
+
+
+def test_a_job_cancelled_between_dequeue_and_registration_never_runs(conn):
+    batch, worker = _setup(conn, 2)
+    queue = worker.queues[0]
+    group = dequeue_many(worker, 2)
+    cancelled = group[0][0]
+    q.cancel_jobs(conn, [cancelled.id])  # `mlxq cancel JOB`: to RQ it still waits
+    executions = register(worker, group)
+    assert executions[0] is None and executions[1] is not None
+    assert Job.fetch(cancelled.id, connection=conn).get_status() == JobStatus.CANCELED
+    assert requeue_stranded(queue, grace_s=3600) == []  # its id is dropped, not requeued
+    assert _ids(conn, queue.intermediate_queue_key) == []
+    assert _ids(conn, queue.key) == []
+    status = q.batch_status(conn, batch)
+    assert (status.cancelled, status.started, status.queued) == (1, 1, 0), status

@@ -51,14 +51,14 @@ def dequeue_many(worker: BaseWorker, n: int) -> list[tuple[Job, Queue]]:
 def register(worker: BaseWorker, group: list[tuple[Job, Queue]]) -> list[Execution | None]:
     """Register jobs as this worker's RQ executions (status ``started``), in one transaction.
 
-    None for a job that is no longer in the intermediate queue: a sweeper found it stranded
-    there (this worker took too long between dequeue and now) and put it back on its queue,
-    where another worker may already have it.
+    None for a job that is no longer waiting for this worker: cancelled meanwhile, or found
+    stranded by a sweeper (this worker took too long between dequeue and now) and put back
+    on its queue, where another worker may already have it.
     """
     with worker.connection.pipeline() as pipe:
         while True:
             pipe.watch(*[job.key for job, _ in group])
-            held = _still_dequeued(worker.connection, group)
+            held = _still_waiting(worker.connection, group)
             pipe.multi()
             worker.set_state(WorkerStatus.BUSY, pipeline=pipe)
             kept = [g for g, ok in zip(group, held, strict=True) if ok]
@@ -75,12 +75,18 @@ def register(worker: BaseWorker, group: list[tuple[Job, Queue]]) -> list[Executi
             return [next(mine) if ok else None for ok in held]
 
 
-def _still_dequeued(conn: redis.Redis, group: list[tuple[Job, Queue]]) -> list[bool]:
-    """Whether each job's id is still in its queue's intermediate queue (one round trip)."""
+def _still_waiting(conn: redis.Redis, group: list[tuple[Job, Queue]]) -> list[bool]:
+    """Whether each job is still queued and its id still in its queue's intermediate queue
+    (one round trip)."""
     with conn.pipeline(transaction=False) as pipe:
         for job, queue in group:
             pipe.lpos(queue.intermediate_queue_key, job.id)
-        return [pos is not None for pos in pipe.execute()]
+            pipe.hget(job.key, "status")
+        replies = pipe.execute()
+    return [
+        pos is not None and status == b"queued"
+        for pos, status in zip(replies[::2], replies[1::2], strict=True)
+    ]
 
 
 def decode_job(job: Job) -> Request:

@@ -23,7 +23,7 @@ from rq.queue import Queue
 from rq.utils import current_timestamp, parse_composite_key
 
 from mlxq.broker import keys
-from mlxq.broker.rq_store import reads, rq_keys, transitions
+from mlxq.broker.rq_store import reads, rq_keys, states, transitions
 from mlxq.wire import Result
 
 log = logging.getLogger("mlxq.broker.recovery")
@@ -56,6 +56,12 @@ def _requeue_stranded_one(queue: Queue, job_id: str, grace_s: float) -> bool:
             # queue in one transaction: watching the hash sees a registration race.
             pipe.watch(rq_keys.job_key(job_id))
             status = pipe.hget(rq_keys.job_key(job_id), "status")
+            if status is not None and status.decode() in states.ENDED:
+                # Cancelled while its worker held it unregistered: it never runs; forget it.
+                pipe.multi()
+                transitions.requeue_stranded_one(pipe, queue, job_id, requeue=False)
+                pipe.execute()
+                return False
             if status not in (b"queued", None):
                 return False  # registered meanwhile, or another writer's business
             seen = pipe.get(keys.stranded(job_id))
@@ -67,8 +73,7 @@ def _requeue_stranded_one(queue: Queue, job_id: str, grace_s: float) -> bool:
             if status is not None and time.time() - float(seen) < grace_s:
                 return False
             pipe.multi()
-            transitions.requeue_stranded_one(pipe, queue, job_id, exists=status is not None)
-            pipe.delete(keys.stranded(job_id))
+            transitions.requeue_stranded_one(pipe, queue, job_id, requeue=status is not None)
             pipe.execute()
         except redis.WatchError:
             return False

@@ -261,7 +261,9 @@ class MlxqWorker(BaseWorker):
             if execution is None:
                 self.runner.cancel(job.id)
                 self.log.warning(
-                    "Worker %s: job %s was put back before it started", self.name, job.id
+                    "Worker %s: job %s was cancelled or put back before it started",
+                    self.name,
+                    job.id,
                 )
             elif isinstance(v, str):
                 result = transitions.result_without_output(

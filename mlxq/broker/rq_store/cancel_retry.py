@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import redis
+from rq.exceptions import InvalidJobOperation
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 
@@ -49,8 +50,10 @@ def _cancel_chunk(conn: redis.Redis, job_ids: list[str]) -> int:
                     end_job(pipe, job, queue, result)
                 pipe.execute()
                 return len(still)
-            except redis.WatchError:
-                pipe.reset()  # a worker took one meanwhile: look again
+            except (redis.WatchError, InvalidJobOperation):
+                # A worker took one meanwhile, or another canceller got there first (RQ's
+                # cancel reads the status afresh and refuses a cancelled job): look again.
+                pipe.reset()
 
 
 def retry_failed(conn: redis.Redis, job_ids: Sequence[str]) -> int:

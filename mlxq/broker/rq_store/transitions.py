@@ -186,12 +186,12 @@ def requeue_abandoned_one(pipe: Any, queue: Queue, job_id: str, batch_id: str | 
     pipe.lpush(queue.key, job_id)
 
 
-def requeue_stranded_one(pipe: Any, queue: Queue, job_id: str, exists: bool) -> None:
-    """Queue in ``pipe`` taking a job id out of the intermediate queue, and putting it back
-    at the front of its queue if the job still exists (its status and counters still say
-    ``queued``: it was never registered)."""
+def requeue_stranded_one(pipe: Any, queue: Queue, job_id: str, requeue: bool) -> None:
+    """Queue in ``pipe`` taking a job id out of the intermediate queue (and the marks of
+    when it was first seen there), and with ``requeue`` putting it back at the front of its
+    queue: a job that still waits (its status and counters still say ``queued``)."""
     pipe.lrem(queue.intermediate_queue_key, 1, job_id)
-    pipe.delete(rq_keys.intermediate_first_seen_key(queue, job_id))
-    if exists:
+    pipe.delete(keys.stranded(job_id), rq_keys.intermediate_first_seen_key(queue, job_id))
+    if requeue:
         pipe.hset(job_key(job_id), "status", JobStatus.QUEUED.value)  # touches it for WATCH
         pipe.lpush(queue.key, job_id)
