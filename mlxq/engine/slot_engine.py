@@ -270,10 +270,9 @@ class SlotEngine(Joining):
         if sync and prev is not None:
             # Hooks get the last tokens first: they prepare their next masks on a helper
             # thread while this thread builds the forward.
-            tokens, lost = self._tokens_of(prev)
+            tokens, lost = self._hand_tokens(prev)
             if tokens is None:
                 return lost
-            self._accept(prev, tokens)
         if rows:
             built = time.perf_counter()
             args = (self.model, self._cache, self.choices.kernel, rows, prev)
@@ -320,30 +319,32 @@ class SlotEngine(Joining):
             if len(r.run.tokens) + (id(r) in pending) < r.run.job.request.max_tokens
         ]
 
-    def _tokens_of(self, step: Step) -> tuple[list[int] | None, list[Completion]]:
-        """The step's sampled tokens on the host, or None and the batch failed."""
+    def _hand_tokens(self, step: Step) -> tuple[list[int] | None, list[Completion]]:
+        """The step's sampled tokens on the host, handed to the hooks for the rows still
+        decoding; or None and the batch failed."""
         try:
-            return step.sampled.tolist(), []
+            tokens = step.sampled.tolist()
         except Exception as exc:
             self._inflight = None
             return None, self._fail_batch(exc)
-
-    def _accept(self, step: Step, tokens: list[int]) -> None:
-        """Hand the step's tokens of rows still decoding to the hooks."""
-        live = [(i, r) for i, r in enumerate(step.rows) if self._rows.get(r.slot) is r]
+        live = self._live(step)
         keys = [r.run.job.key for _, r in live]
         for hook in self.hooks:
             hook.accept(keys, [tokens[i] for i, _ in live])
+        return tokens, []
+
+    def _live(self, step: Step) -> list[tuple[int, Row]]:
+        """The step's rows (index in the step, row) that still decode."""
+        return [(i, r) for i, r in enumerate(step.rows) if self._rows.get(r.slot) is r]
 
     def _collect(self, step: Step, tokens: list[int] | None = None) -> list[Completion]:
         """The step's tokens to the host: record them, finish rows that ended. Given the
-        tokens, the hooks have had them already (:meth:`_accept`)."""
+        tokens, the hooks have had them already (:meth:`_hand_tokens`)."""
         if tokens is None:
-            tokens, lost = self._tokens_of(step)
+            tokens, lost = self._hand_tokens(step)
             if tokens is None:
                 return lost
-            self._accept(step, tokens)
-        live = [(i, r) for i, r in enumerate(step.rows) if self._rows.get(r.slot) is r]
+        live = self._live(step)
         failed = self._constraints.failures()
         done = [
             self._finish(r.slot, "error", failed[k])

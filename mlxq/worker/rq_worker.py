@@ -317,7 +317,7 @@ class MlxqWorker(BaseWorker):
 
     def _flush(self) -> None:
         """Write back everything owed (see :class:`~mlxq.worker.writeback.Writeback`)."""
-        for inf in self.owed.flush(self, self._fail_owed):
+        for inf in self.owed.flush(self, self._fail):
             self.log.warning(
                 "Worker %s: job %s was handed to another worker while this one "
                 "was away; dropped this late result",
@@ -325,19 +325,14 @@ class MlxqWorker(BaseWorker):
                 inf.job.id,
             )
 
-    def _fail_owed(self, f: Failure) -> None:
-        self._fail(f.job, f.queue, f.execution, f.result, f.reason)
-
-    def _fail(
-        self, job: Job, queue: Queue, execution, result: Result, reason: str = "error"
-    ) -> None:
+    def _fail(self, f: Failure) -> None:
         """Fail one job (retried if it has retries left, else ended with its error result);
         the others carry on."""
-        self.log.warning("Worker %s: job %s failed: %s", self.name, job.id, result.error)
+        self.log.warning("Worker %s: job %s failed: %s", self.name, f.job.id, f.result.error)
         if self.reporter is not None:
-            self.reporter.failed(reason)
-        job.ended_at = now()
-        transitions.fail_or_retry(self, job, queue, execution, result)
+            self.reporter.failed(f.reason)
+        f.job.ended_at = now()
+        transitions.fail_or_retry(self, f.job, f.queue, f.execution, f.result)
 
     # -- heartbeats, cancels and time limits ---------------------------------------------
     def _beat_if_due(self) -> None:
