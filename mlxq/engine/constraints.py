@@ -192,13 +192,12 @@ class ConstraintBatch:
         bits[self.grammars.lltokenizer.eos_tokens] = 1
         return np.packbits(bits, bitorder="little").view(np.int32)
 
-    def advance(self, slots: Sequence[Hashable], tokens: Sequence[int]) -> Prepared:
-        """Advance ``slots`` by their tokens and fill the next masks of every tracked row.
+    def prepare(self) -> Prepared:
+        """The next masks of every tracked row (after :meth:`accept`).
 
         Touches only the matchers (no MLX, no engine state), so it can run on a helper
-        thread while the MLX thread builds the next step; :meth:`process` takes the result.
+        thread while the MLX thread works; :meth:`process` takes the result.
         """
-        self.accept(slots, tokens)
         order = list(self.jobs)
         return Prepared({slot: i for i, slot in enumerate(order)}, self.masks(order))
 
@@ -291,10 +290,13 @@ class ConstraintHook:
         self.batch = ConstraintBatch(Grammars(tokenizer, vocab_size))
         self._eos = set(tokenizer.eos_token_ids)
         # One helper thread advances the matchers and fills the masks (llguidance works
-        # off the GIL) while the MLX thread builds the step's forward.
+        # off the GIL) while the MLX thread does the step's bookkeeping. Two tasks: the
+        # bookkeeping needs only the advance (it reports failed matchers), sampling the masks.
         self._helper = concurrent.futures.ThreadPoolExecutor(1, "mlxq-masks")
+        self._advanced: concurrent.futures.Future[None] | None = None
         self._pending: concurrent.futures.Future[Prepared] | None = None
         self._prepared: Prepared | None = None
+        self._released: list[str] = []  # dropped once the helper is done with them
 
     @classmethod
     def for_model(cls, model: Any, tokenizer: Any) -> ConstraintHook:
@@ -303,7 +305,9 @@ class ConstraintHook:
 
     @property
     def active(self) -> bool:
-        return bool(self.batch.jobs) or bool(self.batch.failures)
+        released = set(self._released)
+        keys = [*self.batch.jobs, *list(self.batch.failures)]  # (the helper adds failures)
+        return any(k not in released for k in keys)
 
     def check(self, request: Any) -> str | None:
         """Why this request's ``response_format`` cannot run here, or None (compiles it)."""
@@ -331,25 +335,40 @@ class ConstraintHook:
 
     def accept(self, rows: list[str], tokens: list[int]) -> None:
         """Advance the matchers by the tokens (EOS: the job ends) and fill the next masks
-        on the helper thread; :meth:`process` and :meth:`failures` wait for it."""
+        on the helper thread; :meth:`failures` waits for the advance, :meth:`process` for
+        the masks."""
         self._settle()
         self._prepared = None
         if not self.batch.jobs:
             return
         live = [(r, t) for r, t in zip(rows, tokens, strict=True) if t not in self._eos]
         args = ([r for r, _ in live], [t for _, t in live])
-        self._pending = self._helper.submit(self.batch.advance, *args)
+        self._advanced = self._helper.submit(self.batch.accept, *args)
+        self._pending = self._helper.submit(self.batch.prepare)
 
     def _settle(self) -> None:
         """Wait for the helper's masks, if any are coming (re-raises its errors)."""
+        self._settle_advance()
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self._prepared = pending.result()
+        for key in self._released:
+            self.batch.drop(key)
+        self._released.clear()
+
+    def _settle_advance(self) -> None:
+        """Wait for the helper's advance of the matchers (re-raises its errors)."""
+        if self._advanced is not None:
+            advanced, self._advanced = self._advanced, None
+            advanced.result()
 
     def release(self, key: str) -> None:
-        self.batch.drop(key)
+        self._released.append(key)
+        if self._pending is None:  # else the helper may still fill its mask
+            self._settle()
 
     def failures(self) -> dict[str, str]:
-        """Jobs whose constraint failed (key -> why); they stay listed until released."""
-        self._settle()
+        """Jobs whose constraint failed (key -> why); they stay listed until released.
+        (Failures found filling the next masks show up a step later, as EOS-only rows.)"""
+        self._settle_advance()
         return dict(self.batch.failures)  # type: ignore[arg-type]

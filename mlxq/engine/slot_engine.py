@@ -254,31 +254,29 @@ class SlotEngine(Joining):
     def _decode(self) -> list[Completion]:
         """Wait for the step in flight, launch the next, then do the bookkeeping of the one
         before while the next computes (:mod:`mlxq.engine.slot_decode`). When a row needs
-        host tokens to sample (hooks that act, per-row processors), the hooks get the last
-        step's tokens first, the model's part is launched while they prepare, and sampling
-        follows the bookkeeping."""
+        host tokens to sample (hooks that act, per-row processors), the model's part is
+        launched first (its inputs are the last step's tokens on the device), then the
+        hooks get those tokens on the host and prepare their masks on a helper thread
+        while the device computes, and sampling follows the bookkeeping."""
         tic, done = time.perf_counter(), []
         # Hooks that act need host tokens each step; an idle one (no constrained row) does not.
         hooks_act = any(getattr(h, "active", True) for h in self.hooks)
         prev, rows = self._inflight, self._launchable()
         sync = hooks_act or any(r.processors for r in rows)
-        step, logits, tokens = None, None, None
+        step, logits = None, None
         if prev is not None and not self.choices.overlap:
             # Wait for it (not for its bookkeeping): while a computation that reads the
             # cache is pending, the next step's writes would copy every layer's cache.
             mx.eval(prev.sampled, prev.logprobs)
-        if sync and prev is not None:
-            # Hooks get the last tokens first: they prepare their next masks on a helper
-            # thread while this thread builds the forward.
-            tokens, lost = self._hand_tokens(prev)
-            if tokens is None:
-                return lost
         if rows:
             built = time.perf_counter()
             args = (self.model, self._cache, self.choices.kernel, rows, prev)
             try:
                 logits = run_forward(*args, self.choices.saving, self._forward)
                 if sync:
+                    # Launched before the host waits for the last tokens: the device
+                    # computes it while the hooks prepare (building it after the wait
+                    # left the device idle for the whole build).
                     mx.async_eval(logits)
                 else:
                     step = sample_step(rows, logits, self.hooks)
@@ -288,7 +286,7 @@ class SlotEngine(Joining):
             self._stats.decode_steps += 1
         self._inflight = step
         if prev is not None:
-            done += self._collect(prev, tokens)
+            done += self._collect(prev)
         if sync and logits is not None:
             done += self._sample_after(rows, logits)
         self._stats.decode_seconds += time.perf_counter() - tic
@@ -337,13 +335,12 @@ class SlotEngine(Joining):
         """The step's rows (index in the step, row) that still decode."""
         return [(i, r) for i, r in enumerate(step.rows) if self._rows.get(r.slot) is r]
 
-    def _collect(self, step: Step, tokens: list[int] | None = None) -> list[Completion]:
-        """The step's tokens to the host: record them, finish rows that ended. Given the
-        tokens, the hooks have had them already (:meth:`_hand_tokens`)."""
+    def _collect(self, step: Step) -> list[Completion]:
+        """The step's tokens to the host, handed to the hooks: record them, finish rows
+        that ended."""
+        tokens, lost = self._hand_tokens(step)
         if tokens is None:
-            tokens, lost = self._hand_tokens(step)
-            if tokens is None:
-                return lost
+            return lost
         live = self._live(step)
         failed = self._constraints.failures()
         done = [
