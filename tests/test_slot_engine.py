@@ -27,6 +27,7 @@ from mlxq.engine.protocol import BatchEngine
 from mlxq.engine.sampling import EngineJob
 from mlxq.engine.slot_cache import SlotCache
 from mlxq.engine.slot_engine import SlotEngine
+from mlxq.engine.slot_joins import JoinPolicy
 from mlxq.engine.slot_order import sorted_order, span_groups
 from mlxq.wire import Request
 
@@ -60,9 +61,11 @@ def test_jobs_joining_mid_run_equal_single_requests(
 ) -> None:
     model, tokenizer = tiny
     sizes = {"max_batch": max_batch, "prefill_batch": prefill_batch, "prefill_step": prefill_step}
-    for attention, join_wait in (("gqa", 4), ("fused", 0)):  # joins in groups, or at once
+    # Joins in groups held back by idle slots (as on a GPU), or at once.
+    policies = (("gqa", JoinPolicy(wait=4, idle_budget=6, max_wait=5)), ("fused", JoinPolicy(0)))
+    for attention, policy in policies:
         engine = SlotEngine.from_loaded(model, tokenizer, "tiny", attention=attention, **sizes)
-        engine.join_wait = join_wait
+        engine.join_policy = policy
         done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, join_every)
         check_against_reference(tiny, engine, done)
         assert engine._cache.free_slots == max_batch  # every slot given back

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from mlxq.engine.slot_joins import Waiting, join_due, pick_group, similar
+from mlxq.engine.slot_joins import JoinPolicy, Waiting, join_due, pick_group, similar
 
 
 @dataclass
@@ -40,12 +40,30 @@ def _waiting(*lengths: int, since: int = 0) -> list[Waiting]:
 
 def test_join_due_is_hysteresis() -> None:
     w = _waiting(10, 10)
-    assert not join_due([], decoding=0, free=4, join_group=4, step=0, wait=4)
-    assert not join_due(w, decoding=3, free=0, join_group=4, step=9, wait=4)  # no free slot
-    assert join_due(w, decoding=0, free=4, join_group=4, step=0, wait=4)  # nothing decoding
-    assert not join_due(w, decoding=3, free=4, join_group=4, step=3, wait=4)  # a small group
-    assert join_due(w, decoding=3, free=2, join_group=4, step=3, wait=4)  # fills the slots
-    assert join_due(w, decoding=3, free=4, join_group=4, step=4, wait=4)  # waited long enough
+    at_once = JoinPolicy(wait=4)
+    assert not join_due([], decoding=0, free=4, join_group=4, step=0, policy=at_once)
+    assert not join_due(w, decoding=3, free=0, join_group=4, step=9, policy=at_once)  # no slot
+    assert join_due(w, decoding=0, free=4, join_group=4, step=0, policy=at_once)  # none decode
+    assert join_due(w, decoding=3, free=4, join_group=2, step=0, policy=at_once)  # a full group
+    assert not join_due(w, decoding=3, free=4, join_group=4, step=3, policy=at_once)  # small
+    assert join_due(w, decoding=3, free=4, join_group=4, step=4, policy=at_once)  # waited enough
+    assert join_due(w, decoding=3, free=2, join_group=4, step=0, policy=at_once)  # fills slots
+
+
+def test_join_due_holds_a_deep_queue_until_its_free_slots_idled_a_calls_worth() -> None:
+    """Every free slot has a job waiting: a group joins when the slot-steps they idled reach
+    the budget, or the oldest reaches ``max_wait``; never earlier."""
+    policy = JoinPolicy(wait=4, idle_budget=10, max_wait=8)
+    w = _waiting(10, 10, 10)
+    for i, since in enumerate((0, 2, 3)):
+        w[i].since_step = since
+    # At step 4: idled 4 + 2 + 1 = 7 slot-steps; at step 5: 5 + 3 + 2 = 10.
+    assert not join_due(w, decoding=5, free=3, join_group=8, step=4, policy=policy)
+    assert join_due(w, decoding=5, free=3, join_group=8, step=5, policy=policy)
+    # Only the first `free` waiting jobs have a slot to idle in.
+    assert not join_due(w, decoding=5, free=1, join_group=8, step=7, policy=policy)
+    assert join_due(w, decoding=5, free=1, join_group=8, step=8, policy=policy)  # max_wait
+    assert join_due(w, decoding=5, free=1, join_group=8, step=10, policy=policy)  # budget 10
 
 
 def test_pick_group_takes_similar_prompts_in_order() -> None:

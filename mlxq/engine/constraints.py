@@ -309,6 +309,10 @@ class ConstraintHook:
         keys = [*self.batch.jobs, *list(self.batch.failures)]  # (the helper adds failures)
         return any(k not in released for k in keys)
 
+    def holds(self, key: str) -> bool:
+        """Whether the job is constrained (or its constraint failed)."""
+        return key in self.batch.jobs or key in self.batch.failures
+
     def check(self, request: Any) -> str | None:
         """Why this request's ``response_format`` cannot run here, or None (compiles it)."""
         try:

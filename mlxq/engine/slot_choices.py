@@ -14,9 +14,14 @@
 - sorting rows by length (``MLXQ_SLOT_SORT=0`` turns it off; never with the compiled
   forward, which attends the whole capacity anyway);
 - join wait (``MLXQ_JOIN_WAIT``): decode steps the oldest waiting job may wait before a
-  smaller group than ``join_group`` joins: 4. On the H200 (1B, batch 256, varied and
-  mixed outputs) 4 ran 1.19x and 1.09x faster than 16, and 16 faster than 32: the calls
-  barely got fewer, while free slots idled longer;
+  smaller group than ``join_group`` joins, while fewer jobs wait than slots are free: 4.
+  On the H200 (1B, batch 256, varied and mixed outputs) 4 ran 1.19x and 1.09x faster
+  than 16, and 16 faster than 32 (the queue was running dry: free slots idled longer);
+- join cost (``MLXQ_JOIN_COST``): a prefill call's fixed cost in decode steps, which the
+  free slots may idle (times the batch, in slot-steps) before a group joins while every
+  free slot has a job waiting (:class:`~mlxq.engine.slot_joins.JoinPolicy`): 1 on GPUs,
+  where a small call reads every weight as a step does; 0 (at once) on the CPU, where
+  holding joins back measured no faster (0.98-1.00x, bench/RESULTS.md);
 - prefill buckets (``MLXQ_PREFILL_BUCKETS``, CUDA only by default): a prefill call's rows
   and length are rounded to a few sizes (:mod:`~mlxq.engine.prefill_shapes`), because each
   new shape first builds its kernels there.
@@ -39,6 +44,8 @@ SORT_ENV = "MLXQ_SLOT_SORT"
 SPLIT_BYTES = {"cuda": 64 << 20, "metal": 8 << 20, "cpu": 1 << 20}
 JOIN_ENV = "MLXQ_JOIN_WAIT"
 JOIN_WAIT = 4
+JOIN_COST_ENV = "MLXQ_JOIN_COST"
+JOIN_COST = {"cuda": 1.0, "metal": 1.0, "cpu": 0.0}
 BUCKETS_ENV = "MLXQ_PREFILL_BUCKETS"
 
 
@@ -55,6 +62,7 @@ class DecodeChoices:
     compiled: bool
     sorting: bool
     join_wait: int  # decode steps before a small group joins
+    join_cost: float  # a prefill call's fixed cost, in decode steps
     prefill_buckets: bool  # prefill calls padded to a few shapes
 
     @classmethod
@@ -82,6 +90,7 @@ class DecodeChoices:
             compiled=compiled,
             sorting=not compiled and env(SORT_ENV, "1") == "1",
             join_wait=int(env(JOIN_ENV) or JOIN_WAIT),
+            join_cost=float(env(JOIN_COST_ENV) or JOIN_COST.get(backend, 0.0)),
             prefill_buckets=env(BUCKETS_ENV, "1" if backend == "cuda" else "0") == "1",
         )
 
@@ -90,6 +99,7 @@ class DecodeChoices:
         return (
             f"{self.attention} decode attention{' (compiled forward)' if self.compiled else ''}"
             f", steps overlapped: {self.overlap}, rows sorted by length: {self.sorting}"
-            f", small groups join after {self.join_wait} steps"
+            f", small groups join after {self.join_wait} steps (or when their free slots "
+            f"idled {self.join_cost:g} steps' worth)"
             f", prefill shapes bucketed: {self.prefill_buckets}"
         )

@@ -50,7 +50,7 @@ from mlxq.engine.slot_decode import (
     sample_step,
 )
 from mlxq.engine.slot_joining import Joining
-from mlxq.engine.slot_joins import Waiting
+from mlxq.engine.slot_joins import JoinPolicy, Waiting
 from mlxq.engine.slot_order import sorted_order
 from mlxq.engine.stats import EngineStats
 from mlxq.wire import FinishReason, Request
@@ -107,7 +107,9 @@ class SlotEngine(Joining):
         self._constraints = ConstraintHook.for_model(model, tokenizer)
         self.hooks = [*(hooks or []), self._constraints]
         self.choices = DecodeChoices.choose(backend_name(), self.info, attention, kv_bits)
-        self.join_wait = self.choices.join_wait
+        self.join_policy = JoinPolicy(
+            wait=self.choices.join_wait, idle_budget=self.choices.join_cost * max_batch
+        )
         log.info("slot engine: batch %d, %s", max_batch, self.choices.describe())
         self._eos = set(tokenizer.eos_token_ids)
         self._new_cache()
@@ -337,18 +339,35 @@ class SlotEngine(Joining):
 
     def _collect(self, step: Step) -> list[Completion]:
         """The step's tokens to the host, handed to the hooks: record them, finish rows
-        that ended."""
+        that ended. Free rows first: only constrained rows wait for their matchers'
+        advance (on the hook's helper thread), which may have failed them."""
         tokens, lost = self._hand_tokens(step)
         if tokens is None:
             return lost
-        live = self._live(step)
-        failed = self._constraints.failures()
-        done = [
-            self._finish(r.slot, "error", failed[k])
-            for _, r in live
-            if (k := r.run.job.key) in failed
-        ]
-        live = [(i, r) for i, r in live if self._rows.get(r.slot) is r]
+        free: list[tuple[int, Row]] = []
+        held: list[tuple[int, Row]] = []
+        for i, r in self._live(step):
+            (held if self._constraints.holds(r.run.job.key) else free).append((i, r))
+        done = self._record(step, tokens, free)
+        if held:
+            failed = self._constraints.failures()
+            done += [
+                self._finish(r.slot, "error", failed[k])
+                for _, r in held
+                if (k := r.run.job.key) in failed
+            ]
+            done += self._record(
+                step, tokens, [(i, r) for i, r in held if r.run.job.key not in failed]
+            )
+        return done
+
+    def _record(
+        self, step: Step, tokens: list[int], live: list[tuple[int, Row]]
+    ) -> list[Completion]:
+        """Record the ``live`` rows' tokens (index in the step, row); finish those that ended."""
+        if not live:
+            return []
+        done: list[Completion] = []
         self._stats.generated_tokens += len(live)
         lp = step.picked_logprobs(tokens, live, self._eos)
         now = time.time()

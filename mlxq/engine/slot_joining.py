@@ -16,7 +16,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlxq.engine.prompts import error_line
 from mlxq.engine.sampling import Completion, make_job_sampler
 from mlxq.engine.slot_decode import Row
-from mlxq.engine.slot_joins import Waiting, join_due, pick_group
+from mlxq.engine.slot_joins import JoinPolicy, Waiting, join_due, pick_group
 from mlxq.engine.slot_prefill import prefill_group
 
 
@@ -31,7 +31,7 @@ class Joining:
     prefill_batch: int
     prefill_step: int
     prefill_tokens: int | None
-    join_wait: int
+    join_policy: JoinPolicy
     _cache: Any
     _prefix: Any
     _stats: Any
@@ -44,7 +44,7 @@ class Joining:
 
     def _join_due(self) -> bool:
         free = self._cache.free_slots
-        args = (len(self._rows), free, self.join_group, self._steps, self.join_wait)
+        args = (len(self._rows), free, self.join_group, self._steps, self.join_policy)
         return join_due(self._waiting, *args)
 
     def _join(self) -> list[Completion]:
