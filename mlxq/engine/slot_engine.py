@@ -7,7 +7,8 @@ per-job samplers, seeds, repetition penalty, stop strings, logprobs, streaming, 
 work. Joining jobs wait until a group of them is worth a prefill call
 (:mod:`mlxq.engine.slot_joins`, seated by :mod:`mlxq.engine.slot_joining`), are prefilled
 as their own batch (:mod:`mlxq.engine.slot_prefill`) and written into free slots; each decode step
-(:mod:`mlxq.engine.slot_decode`) then feeds every row one token at its own position.
+(:mod:`mlxq.engine.slot_decode`, run by :mod:`mlxq.engine.slot_stepping`) then feeds every
+row one token at its own position.
 
 Per-step logits processing over the whole batch: ``hooks``, see
 :class:`~mlxq.engine.protocol.BatchLogitsHook`.
@@ -46,14 +47,13 @@ from mlxq.engine.slot_decode import (
     CompiledForward,
     Row,
     Step,
-    run_forward,
-    sample_step,
 )
 from mlxq.engine.slot_joining import Joining
 from mlxq.engine.slot_joins import JoinPolicy, Waiting
 from mlxq.engine.slot_order import sorted_order
+from mlxq.engine.slot_stepping import Stepping
 from mlxq.engine.stats import EngineStats
-from mlxq.wire import FinishReason, Request
+from mlxq.wire import Request
 
 log = logging.getLogger("mlxq.engine.slot_engine")
 
@@ -61,7 +61,7 @@ log = logging.getLogger("mlxq.engine.slot_engine")
 SORT_EVERY = 32
 
 
-class SlotEngine(Joining):
+class SlotEngine(Stepping, Joining):
     """Continuous batching of generation jobs over one model on slot caches."""
 
     @classmethod
@@ -252,155 +252,6 @@ class SlotEngine(Joining):
             self._rows[slot] = row
             self._keys[row.run.job.key] = slot
         self._stats.sorts += 1
-
-    def _decode(self) -> list[Completion]:
-        """Wait for the step in flight, launch the next, then do the bookkeeping of the one
-        before while the next computes (:mod:`mlxq.engine.slot_decode`). When a row needs
-        host tokens to sample (hooks that act, per-row processors), the model's part is
-        launched first (its inputs are the last step's tokens on the device), then the
-        hooks get those tokens on the host and prepare their masks on a helper thread
-        while the device computes, and sampling follows the bookkeeping."""
-        tic, done = time.perf_counter(), []
-        # Hooks that act need host tokens each step; an idle one (no constrained row) does not.
-        hooks_act = any(getattr(h, "active", True) for h in self.hooks)
-        prev, rows = self._inflight, self._launchable()
-        sync = hooks_act or any(r.processors for r in rows)
-        step, logits = None, None
-        if prev is not None and not self.choices.overlap:
-            # Wait for it (not for its bookkeeping): while a computation that reads the
-            # cache is pending, the next step's writes would copy every layer's cache.
-            mx.eval(prev.sampled, prev.logprobs)
-        if rows:
-            built = time.perf_counter()
-            args = (self.model, self._cache, self.choices.kernel, rows, prev)
-            try:
-                logits = run_forward(*args, self.choices.saving, self._forward)
-                if sync:
-                    # Launched before the host waits for the last tokens: the device
-                    # computes it while the hooks prepare (building it after the wait
-                    # left the device idle for the whole build).
-                    mx.async_eval(logits)
-                else:
-                    step = sample_step(rows, logits, self.hooks)
-            except Exception as exc:
-                return done + self._fail_batch(exc)
-            self._stats.launch_seconds += time.perf_counter() - built
-            self._stats.decode_steps += 1
-        self._inflight = step
-        if prev is not None:
-            done += self._collect(prev)
-        if sync and logits is not None:
-            done += self._sample_after(rows, logits)
-        self._stats.decode_seconds += time.perf_counter() - tic
-        return done
-
-    def _sample_after(self, rows: list[Row], logits: mx.array) -> list[Completion]:
-        """Sample a launched forward once the host has the step before's tokens (rows that
-        ended meanwhile are dropped)."""
-        live = [i for i, r in enumerate(rows) if self._rows.get(r.slot) is r]
-        if not live:
-            return []
-        if len(live) < len(rows):
-            rows, logits = [rows[i] for i in live], logits[mx.array(live)]
-        try:
-            self._inflight = sample_step(rows, logits, self.hooks)
-        except Exception as exc:
-            return self._fail_batch(exc)
-        return []
-
-    def _launchable(self) -> list[Row]:
-        """Rows to decode next, in slot order: all but those whose step in flight gives
-        them their last token (``max_tokens``)."""
-        step = self._inflight
-        pending = set() if step is None else {id(r) for r in step.rows}
-        return [
-            r
-            for _, r in sorted(self._rows.items())
-            if len(r.run.tokens) + (id(r) in pending) < r.run.job.request.max_tokens
-        ]
-
-    def _hand_tokens(self, step: Step) -> tuple[list[int] | None, list[Completion]]:
-        """The step's sampled tokens on the host, handed to the hooks for the rows still
-        decoding; or None and the batch failed."""
-        try:
-            tokens = step.sampled.tolist()
-        except Exception as exc:
-            self._inflight = None
-            return None, self._fail_batch(exc)
-        live = self._live(step)
-        keys = [r.run.job.key for _, r in live]
-        for hook in self.hooks:
-            hook.accept(keys, [tokens[i] for i, _ in live])
-        return tokens, []
-
-    def _live(self, step: Step) -> list[tuple[int, Row]]:
-        """The step's rows (index in the step, row) that still decode."""
-        return [(i, r) for i, r in enumerate(step.rows) if self._rows.get(r.slot) is r]
-
-    def _collect(self, step: Step) -> list[Completion]:
-        """The step's tokens to the host, handed to the hooks: record them, finish rows
-        that ended. Free rows first: only constrained rows wait for their matchers'
-        advance (on the hook's helper thread), which may have failed them."""
-        tokens, lost = self._hand_tokens(step)
-        if tokens is None:
-            return lost
-        free: list[tuple[int, Row]] = []
-        held: list[tuple[int, Row]] = []
-        for i, r in self._live(step):
-            (held if self._constraints.holds(r.run.job.key) else free).append((i, r))
-        done = self._record(step, tokens, free)
-        if held:
-            failed = self._constraints.failures()
-            done += [
-                self._finish(r.slot, "error", failed[k])
-                for _, r in held
-                if (k := r.run.job.key) in failed
-            ]
-            done += self._record(
-                step, tokens, [(i, r) for i, r in held if r.run.job.key not in failed]
-            )
-        return done
-
-    def _record(
-        self, step: Step, tokens: list[int], live: list[tuple[int, Row]]
-    ) -> list[Completion]:
-        """Record the ``live`` rows' tokens (index in the step, row); finish those that ended."""
-        if not live:
-            return []
-        done: list[Completion] = []
-        self._stats.generated_tokens += len(live)
-        lp = step.picked_logprobs(tokens, live, self._eos)
-        now = time.time()
-        for i, row in live:
-            token, run = tokens[i], row.run
-            if run.first_token_at is None:
-                run.first_token_at = now
-            run.last_token_at = now
-            reason: FinishReason | None = None
-            if token in self._eos:
-                reason = "stop"  # EOS: not part of the output
-            elif run.add_token(token, lp.get(i)):
-                reason = "stop"
-            elif len(run.tokens) >= run.job.request.max_tokens:
-                reason = "length"
-            if reason is not None:
-                done.append(self._finish(row.slot, reason))
-            else:
-                row.next_input = token
-                if run.job.request.stream:
-                    run.stream_update(self.tokenizer, self._chunks)
-        return done
-
-    def _finish(self, slot: int, reason: FinishReason, error: str | None = None) -> Completion:
-        row = self._rows.pop(slot)
-        run = row.run
-        del self._keys[run.job.key]
-        self._cache.free(slot)  # bookkeeping only
-        for hook in self.hooks:
-            hook.release(run.job.key)
-        if run.plan is not None:
-            run.plan.release()
-        return run.finish(reason, self.tokenizer, self._chunks, error)
 
     def _fail_batch(self, exc: Exception) -> list[Completion]:
         """Fail the decoding jobs; keep the waiting ones; start from a fresh slot cache."""

@@ -1,0 +1,213 @@
+"""How the slot engine runs a decode step: launch it, do the last one's bookkeeping meanwhile.
+
+A mixin of :class:`~mlxq.engine.slot_engine.SlotEngine` (the engine's state is its own),
+as :mod:`mlxq.engine.slot_joining` is for joins; the step itself (inputs, forward,
+sampling) is :mod:`mlxq.engine.slot_decode`.
+
+Free steps are built and launched whole while the last one computes. A step whose rows
+need host tokens to sample (hooks that act, such as constraints; per-row processors) is
+built first (its inputs are the last step's tokens on the device); then the hooks get
+those tokens on the host and prepare their masks on a helper thread while this thread
+launches the model's part (most of a CUDA step's host time is MLX's launch) and records
+the last step; it is sampled last.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from mlxq.engine.sampling import Completion, StreamChunk
+from mlxq.engine.slot_decode import Row, Step, run_forward, sample_step
+from mlxq.wire import FinishReason
+
+
+@dataclass
+class _Launch:
+    """A decode step started: the whole step, or (rows that sample later) its logits and
+    the last step's host tokens; ``failed``: the batch failed instead."""
+
+    step: Step | None = None
+    logits: mx.array | None = None
+    tokens: list[int] | None = None
+    failed: list[Completion] | None = None
+
+
+class Stepping:
+    """Decode steps over the slot engine's rows (the state below is the engine's)."""
+
+    model: Any
+    tokenizer: Any
+    choices: Any
+    hooks: list[Any]
+    _cache: Any
+    _constraints: Any
+    _forward: Any
+    _stats: Any
+    _eos: set[int]
+    _rows: dict[int, Row]
+    _chunks: list[StreamChunk]
+    _inflight: Step | None
+
+    _keys: dict[str, int]
+    _fail_batch: Callable[[Exception], list[Completion]]  # (the engine's)
+
+    def _decode(self) -> list[Completion]:
+        """Wait for the step in flight (except where steps overlap), launch the next (see
+        the module docstring), then do the bookkeeping of the one before."""
+        tic = time.perf_counter()
+        # Hooks that act need host tokens each step; an idle one (no constrained row) does not.
+        hooks_act = any(getattr(h, "active", True) for h in self.hooks)
+        prev, rows = self._inflight, self._launchable()
+        sync = hooks_act or any(r.processors for r in rows)
+        if prev is not None and not self.choices.overlap:
+            # Wait for it (not for its bookkeeping): while a computation that reads the
+            # cache is pending, the next step's writes would copy every layer's cache.
+            mx.eval(prev.sampled, prev.logprobs)
+        launch = self._launch(rows, prev, sync) if rows else _Launch()
+        if launch.failed is not None:
+            return launch.failed
+        self._inflight = launch.step
+        done = [] if prev is None else self._collect(prev, launch.tokens)
+        if launch.logits is not None:
+            done += self._sample_after(rows, launch.logits)
+        self._stats.decode_seconds += time.perf_counter() - tic
+        return done
+
+    def _launch(self, rows: list[Row], prev: Step | None, sync: bool) -> _Launch:
+        """Build and launch the next step of ``rows``; with ``sync``, only its model's part,
+        the hooks handed ``prev``'s tokens between the build and the launch."""
+        built, waited, out = time.perf_counter(), 0.0, _Launch()
+        args = (self.model, self._cache, self.choices.kernel, rows, prev)
+        try:
+            logits = run_forward(*args, self.choices.saving, self._forward)
+            if not sync:
+                out.step = sample_step(rows, logits, self.hooks)
+            else:
+                if prev is not None:
+                    tic = time.perf_counter()
+                    out.tokens, lost = self._hand_tokens(prev)
+                    if out.tokens is None:
+                        return _Launch(failed=lost)
+                    waited = time.perf_counter() - tic
+                mx.async_eval(logits)
+                out.logits = logits
+        except Exception as exc:
+            return _Launch(failed=self._fail_batch(exc))
+        self._stats.launch_seconds += time.perf_counter() - built - waited
+        self._stats.decode_steps += 1
+        return out
+
+    def _sample_after(self, rows: list[Row], logits: mx.array) -> list[Completion]:
+        """Sample a launched forward once the host has the step before's tokens (rows that
+        ended meanwhile are dropped)."""
+        live = [i for i, r in enumerate(rows) if self._rows.get(r.slot) is r]
+        if not live:
+            return []
+        if len(live) < len(rows):
+            rows, logits = [rows[i] for i in live], logits[mx.array(live)]
+        try:
+            self._inflight = sample_step(rows, logits, self.hooks)
+        except Exception as exc:
+            return self._fail_batch(exc)
+        return []
+
+    def _launchable(self) -> list[Row]:
+        """Rows to decode next, in slot order: all but those whose step in flight gives
+        them their last token (``max_tokens``)."""
+        step = self._inflight
+        pending = set() if step is None else {id(r) for r in step.rows}
+        return [
+            r
+            for _, r in sorted(self._rows.items())
+            if len(r.run.tokens) + (id(r) in pending) < r.run.job.request.max_tokens
+        ]
+
+    def _hand_tokens(self, step: Step) -> tuple[list[int] | None, list[Completion]]:
+        """The step's sampled tokens on the host, handed to the hooks for the rows still
+        decoding; or None and the batch failed."""
+        try:
+            tokens = step.sampled.tolist()
+        except Exception as exc:
+            self._inflight = None
+            return None, self._fail_batch(exc)
+        live = self._live(step)
+        keys = [r.run.job.key for _, r in live]
+        for hook in self.hooks:
+            hook.accept(keys, [tokens[i] for i, _ in live])
+        return tokens, []
+
+    def _live(self, step: Step) -> list[tuple[int, Row]]:
+        """The step's rows (index in the step, row) that still decode."""
+        return [(i, r) for i, r in enumerate(step.rows) if self._rows.get(r.slot) is r]
+
+    def _collect(self, step: Step, tokens: list[int] | None = None) -> list[Completion]:
+        """The step's tokens to the host, handed to the hooks (unless they have had them:
+        ``tokens``): record them, finish rows that ended. Free rows first: only
+        constrained rows wait for their matchers' advance (on the hook's helper thread),
+        which may have failed them."""
+        if tokens is None:
+            tokens, lost = self._hand_tokens(step)
+            if tokens is None:
+                return lost
+        free: list[tuple[int, Row]] = []
+        held: list[tuple[int, Row]] = []
+        for i, r in self._live(step):
+            (held if self._constraints.holds(r.run.job.key) else free).append((i, r))
+        done = self._record(step, tokens, free)
+        if held:
+            failed = self._constraints.failures()
+            done += [
+                self._finish(r.slot, "error", failed[k])
+                for _, r in held
+                if (k := r.run.job.key) in failed
+            ]
+            done += self._record(
+                step, tokens, [(i, r) for i, r in held if r.run.job.key not in failed]
+            )
+        return done
+
+    def _record(
+        self, step: Step, tokens: list[int], live: list[tuple[int, Row]]
+    ) -> list[Completion]:
+        """Record the ``live`` rows' tokens (index in the step, row); finish those that ended."""
+        if not live:
+            return []
+        done: list[Completion] = []
+        self._stats.generated_tokens += len(live)
+        lp = step.picked_logprobs(tokens, live, self._eos)
+        now = time.time()
+        for i, row in live:
+            token, run = tokens[i], row.run
+            if run.first_token_at is None:
+                run.first_token_at = now
+            run.last_token_at = now
+            reason: FinishReason | None = None
+            if token in self._eos:
+                reason = "stop"  # EOS: not part of the output
+            elif run.add_token(token, lp.get(i)):
+                reason = "stop"
+            elif len(run.tokens) >= run.job.request.max_tokens:
+                reason = "length"
+            if reason is not None:
+                done.append(self._finish(row.slot, reason))
+            else:
+                row.next_input = token
+                if run.job.request.stream:
+                    run.stream_update(self.tokenizer, self._chunks)
+        return done
+
+    def _finish(self, slot: int, reason: FinishReason, error: str | None = None) -> Completion:
+        row = self._rows.pop(slot)
+        run = row.run
+        del self._keys[run.job.key]
+        self._cache.free(slot)  # bookkeeping only
+        for hook in self.hooks:
+            hook.release(run.job.key)
+        if run.plan is not None:
+            run.plan.release()
+        return run.finish(reason, self.tokenizer, self._chunks, error)
