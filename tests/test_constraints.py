@@ -473,3 +473,20 @@ def test_a_worker_fails_a_job_with_a_bad_constraint_alone(conn, tiny_model):
     assert results["bad"].finish_reason == "error" and "uniqueItems" in results["bad"].error
     assert results["ok"].finish_reason == "stop" and re.fullmatch(REGEX, results["ok"].text)
     assert results["free"].error is None
+
+
+def test_a_job_released_while_the_helper_fills_masks_is_dropped_after_it(tiny):
+    """The engine finishes jobs while the helper thread still fills the next masks: the
+    drop waits for the helper (a failure it records must not outlive the job), and the
+    hook reads as inactive at once."""
+    model, tokenizer = tiny
+    vocab = model.args.vocab_size
+    hook = ConstraintHook.for_model(model, tokenizer)
+    hook.admit("j", Request(prompt="x", response_format=RegexFormat(REGEX)))
+    logits = mx.array(np.random.default_rng(3).normal(size=(1, vocab)).astype(np.float32))
+    token = mx.argmax(hook.process(logits, ["j"]), axis=-1).tolist()
+    hook.accept(["j"], token)  # the helper advances the matcher and fills its next mask
+    hook.release("j")
+    assert not hook.active and not hook.failures()
+    hook.accept([], [])  # the next step settles the helper first
+    assert "j" not in hook.batch.jobs and not hook.batch.failures and not hook.active
