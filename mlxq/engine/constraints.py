@@ -220,11 +220,16 @@ class ConstraintBatch:
         late = [i for i in rows if slots[i] not in have or slots[i] in self.failures]
         # Free rows keep all-ones masks: their logits pass unchanged. (Whole-array copies:
         # a Python loop over 256 rows of a 128k vocabulary costs a millisecond a step.)
-        width = (self.grammars.vocab_size + 31) // 32
-        if len(ready) == n:  # every row constrained and prepared: one gather
+        if not late:  # every constrained row prepared: rows picked on the device, which
+            # spares the host two copies of every mask (0.6-0.9 ms a step at 256 rows)
             assert prepared is not None
-            picked = prepared.masks[[have[s] for s in slots]]
+            picked = mx.array(prepared.masks)[mx.array([have.get(s, 0) for s in slots])]
+            if len(ready) < n:
+                held = np.zeros(n, dtype=bool)
+                held[ready] = True
+                picked = mx.where(mx.array(held)[:, None], picked, -1)
             return DeviceMasks(picked, vocab).apply(logits)
+        width = (self.grammars.vocab_size + 31) // 32
         masks = np.full((n, width), -1, dtype=np.int32)
         if ready:
             assert prepared is not None
@@ -237,8 +242,8 @@ class ConstraintBatch:
 class DeviceMasks:
     """Bitmasks (rows, words) on the device, ready to apply row by row or all at once."""
 
-    def __init__(self, masks: np.ndarray, vocab: int) -> None:
-        self.words = mx.array(masks)
+    def __init__(self, masks: np.ndarray | mx.array, vocab: int) -> None:
+        self.words = masks if isinstance(masks, mx.array) else mx.array(masks)
         # Off Metal, unpack once for all rows: each row is then a slice and a `where`.
         self.allowed = None if _use_kernel() else unpack_masks(self.words, vocab)
 
