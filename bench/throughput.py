@@ -47,7 +47,7 @@ from common import (
     work_burst,
     write_json,
 )
-from workloads import SEED, WORKLOADS, Workload, make_workload, step_bound
+from workloads import SEED, WORKLOADS, Workload, context_per_token, make_workload, step_bound
 
 MODES = ("naive", "batch_generate", "raw", "mlxq", "mlxq-bg")
 # --prefix-cache: the engine's prefix cache gets this share of the scheduler's KV budget.
@@ -685,6 +685,9 @@ def twin_ratios(workloads: list[dict[str, Any]], batch: int) -> str:
     ratio a fixed cost per decode step allows (:func:`workloads.step_bound`)."""
     by_name = {w["workload"]: {m["mode"]: m["gen_tps"] for m in w["modes"]} for w in workloads}
     bounds = {w["workload"]: step_bound(w["max_tokens"], batch) for w in workloads}
+    context = {
+        w["workload"]: context_per_token(w["prompt_lengths"], w["max_tokens"]) for w in workloads
+    }
     lines = []
     for name, modes in by_name.items():
         twin = by_name.get(f"{name}-twin")
@@ -697,7 +700,9 @@ def twin_ratios(workloads: list[dict[str, Any]], batch: int) -> str:
         ]
         lines.append(
             f"{name} vs its uniform twin (gen tok/s): " + ", ".join(pairs) + f" (bound at a "
-            f"fixed cost per step, batch {batch}: {bounds[name]:.2f}x)"
+            f"fixed cost per step, batch {batch}: {bounds[name]:.2f}x; positions a token "
+            f"attends: {context[name] / context[f'{name}-twin']:.2f}x the twin's, which "
+            "costs more where attention is much of a step, as on a CPU)"
         )
     return "\n".join(lines)
 
@@ -746,6 +751,7 @@ def _workload_json(wl: Workload, results: list[ModeResult]) -> dict[str, Any]:
         "label": wl.label,
         "requests": len(wl.prompts),
         "max_tokens": wl.max_tokens,
+        "prompt_lengths": [len(p) for p in wl.prompts],
         "prompt_tokens": wl.prompt_tokens,
         "gen_tokens": wl.gen_tokens,
         "modes": rows,

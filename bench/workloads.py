@@ -118,3 +118,12 @@ def step_bound(max_tokens: list[int], batch: int) -> float:
     mean = round(sum(max_tokens) / len(max_tokens))
     twin = mean * -(-len(max_tokens) // batch)
     return twin / steps
+
+
+def context_per_token(prompt_lengths: list[int], max_tokens: list[int]) -> float:
+    """Positions a generated token attends, on average, with no padding: a job of prompt
+    P and L tokens attends P, P+1, ..., P+L-1. Varied outputs raise it above their twin's
+    (a job's share of the steps grows with its length); where attention is a large part
+    of a step (a CPU, a small model), each varied token costs that much more."""
+    attended = sum(p * n + n * (n - 1) / 2 for p, n in zip(prompt_lengths, max_tokens, strict=True))
+    return attended / sum(max_tokens)

@@ -34,6 +34,17 @@ def test_throughput_runs_a_varied_workload_and_its_twin(valkey_url: str, tmp_pat
         *("--redis-url", valkey_url, "--export-jsonl", str(tmp_path)),
     )
     assert "varied vs its uniform twin (gen tok/s): raw" in out.stdout
+    assert "positions a token attends" in out.stdout
     assert "!" not in out.stdout  # every mode returned every token
     lines = (tmp_path / "varied.jsonl").read_text().splitlines()
     assert len(lines) == 6 and '"custom_id": "r0"' in lines[0]
+
+
+def test_context_per_token_counts_the_positions_each_token_attends() -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from workloads import context_per_token
+
+    # Prompt 10, 3 tokens: they attend 10, 11 and 12 positions.
+    assert context_per_token([10], [3]) == 11
+    # Same prompts and mean output: the varied outputs' tokens attend longer contexts.
+    assert context_per_token([10, 10], [1, 5]) > context_per_token([10, 10], [3, 3])
