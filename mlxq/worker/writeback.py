@@ -46,7 +46,7 @@ class Writeback:
         """Ended jobs still owed."""
         return len(self.failed) + len(self.done)
 
-    def flush(self, worker: BaseWorker, fail: Callable[[InFlight, Result], None]) -> list[InFlight]:
+    def flush(self, worker: BaseWorker, fail: Callable[[Failure], None]) -> list[InFlight]:
         """Write everything owed; returns the jobs found handed to another worker (their late
         results are dropped). A Redis error propagates, with what is left kept for the next
         try: a write that landed before its reply was lost is found not held, never redone.
@@ -54,10 +54,12 @@ class Writeback:
         if self.chunks or self.stream_ends:
             streams.publish(worker.connection, self.chunks, self.stream_ends)
             self.chunks, self.stream_ends = [], []
-        while self.failed:
-            if still_held(worker.connection, self.failed[:1])[0]:
-                fail(self.failed[0])
-            self.failed.pop(0)
+        if self.failed:
+            held = still_held(worker.connection, self.failed)  # one round trip for all
+            for is_held in held:
+                if is_held:
+                    fail(self.failed[0])
+                self.failed.pop(0)  # done: a Redis error in a later one keeps the rest
         lost = write_results(worker, self.done)
         self.done = []
         return lost
