@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlxq.engine.prefill_shapes import bucket_rows, bucket_tokens
+from mlxq.engine.prefill_shapes import bucket_rows, bucket_tokens, group_rows
 
 
 def test_rows_round_to_powers_of_two_then_multiples_of_32() -> None:
@@ -21,3 +21,10 @@ def test_tokens_pad_the_last_chunk_only() -> None:
     assert bucket_tokens(20, 7) == 21  # a chunk never grows past the chunk length
     # Few distinct shapes: every length up to 4,096 lands on one of 24 (12 per chunk).
     assert len({bucket_tokens(n, 2048) for n in range(1, 4097)}) == 24
+
+
+def test_groups_above_32_rows_take_whole_buckets() -> None:
+    assert [group_rows(n) for n in (1, 5, 31, 32, 33, 37, 63, 64, 100)] == [
+        1, 5, 31, 32, 32, 32, 32, 64, 96,
+    ]  # fmt: skip
+    assert all(bucket_rows(group_rows(n)) == group_rows(n) for n in range(33, 300))

@@ -32,6 +32,16 @@ def bucket_rows(n: int) -> int:
     return _round(n, 1, ROW_STEP)
 
 
+def group_rows(n: int) -> int:
+    """How many of ``n`` waiting jobs to prefill together when calls are bucketed: above
+    ``ROW_STEP`` a whole multiple of it, so the call has no dummy rows (the rest join with
+    a later group). On a large model a prefill call is compute-bound: an 8B shape's varied
+    outputs took 13.6 s to prefill in groups of ~37 padded to 64 rows, against 6.6 s for
+    the same prompts in groups of 128. Below ``ROW_STEP`` every job goes (a call that
+    small costs its fixed part, not its rows)."""
+    return n if n <= ROW_STEP else n // ROW_STEP * ROW_STEP
+
+
 def bucket_tokens(n: int, chunk: int) -> int:
     """The padded length of ``n`` prompt tokens run in chunks of ``chunk``: whole chunks,
     then the last one rounded (every chunk is then one of few lengths)."""

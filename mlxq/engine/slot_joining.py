@@ -13,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
+from mlxq.engine.prefill_shapes import group_rows
 from mlxq.engine.prompts import error_line
 from mlxq.engine.sampling import Completion, make_job_sampler
 from mlxq.engine.slot_decode import Row
@@ -51,6 +52,8 @@ class Joining:
         """Plan, prefill and seat the next group of waiting jobs (one prefill batch)."""
         free = self._cache.free_slots
         limit = free if self.prefill_tokens else min(self.prefill_batch, free)
+        if self.choices.prefill_buckets:
+            limit = group_rows(min(limit, len(self._waiting)))
         tokens, step = self.prefill_tokens, self.prefill_step
         group = pick_group(self._waiting, limit, self._prefix, tokens, step)
         return self._prefill(group) if group else []
