@@ -11,7 +11,7 @@ from mlx_lm.models.cache import KVCache
 from test_engine import FlakyModel, reference, run_all
 
 from mlxq.engine.mlx_lm_batch import Completion, Engine, EngineJob
-from mlxq.engine.prefix_cache import PrefixCache
+from mlxq.engine.prefix_cache import DEFAULT_BLOCK, PrefixCache
 from mlxq.wire import Request
 
 # -- bookkeeping, no model: blocks of 4 tokens, payloads are labels of 100 bytes ----------
@@ -202,9 +202,10 @@ def test_store_copies_blocks_and_kv_cache_joins_them() -> None:
 
 # -- the engine with a prefix cache on the tiny model -------------------------------------
 
-BLOCK = 64
+BLOCK = 16
 RNG = random.Random(3)
-PREFIX = [RNG.randrange(3, 512) for _ in range(5 * BLOCK)]  # 320 tokens
+PREFIX = [RNG.randrange(3, 512) for _ in range(20 * BLOCK)]  # 320 tokens
+STORED = len(PREFIX) + BLOCK  # and the first block of s2's 17-token suffix, its repeat's too
 
 
 def shared_jobs() -> dict[str, Request]:
@@ -251,7 +252,7 @@ def test_greedy_with_reuse_equals_without_and_mlx_lm(
         assert with_reuse[key].finish_reason == without[key].finish_reason
     check_reference(tiny, reuse, jobs, with_reuse)
     stats = reuse.stats()
-    assert stats.prefix_hits >= len(jobs) - 3 and stats.stored_tokens == len(PREFIX)
+    assert stats.prefix_hits >= len(jobs) - 3 and stats.stored_tokens == STORED
     assert stats.prefilled_tokens < plain.stats().prefilled_tokens - 4 * len(PREFIX)
     assert reuse.active == 0
 
@@ -259,20 +260,23 @@ def test_greedy_with_reuse_equals_without_and_mlx_lm(
 def test_a_burst_prefills_the_shared_prefix_once(tiny: Any) -> None:
     model, tokenizer = tiny
     jobs = shared_jobs()
+    assert DEFAULT_BLOCK == BLOCK  # the figures below count the engine's blocks
     engine = Engine.from_loaded(model, tokenizer, "tiny", prefix_cache_bytes=1 << 24)
     done = run_all(engine, jobs)  # all admitted before the first step
     check_reference(tiny, engine, jobs, done)
-    sharing = [r.prompt for k, r in jobs.items() if k != "other"]
-    # The first job stores the 5 blocks; the others reuse what fits before their last token.
-    reused = [min(5, (len(p) - 1) // BLOCK) * BLOCK for p in sharing[1:]]
+    sharing = {k: r.prompt for k, r in jobs.items() if k not in ("other", "s0")}
+    # s0 stores PREFIX's blocks and s2 one more (its repeat shares it): the others reuse
+    # what of PREFIX fits before their last token, the repeat PREFIX and that block.
+    reused = {k: min(len(PREFIX), (len(p) - 1) // BLOCK * BLOCK) for k, p in sharing.items()}
+    reused["repeat"] += BLOCK
     stats = engine.stats()
-    assert (stats.prefix_hits, stats.reused_tokens) == (len(sharing) - 1, sum(reused))
-    assert stats.stored_tokens == len(PREFIX) and stats.prefix_evictions == 0
-    assert stats.prefix_cache_bytes == len(PREFIX) * engine.info.kv_bytes_per_token
+    assert (stats.prefix_hits, stats.reused_tokens) == (len(sharing), sum(reused.values()))
+    assert stats.stored_tokens == STORED and stats.prefix_evictions == 0
+    assert stats.prefix_cache_bytes == STORED * engine.info.kv_bytes_per_token
     prompts = [len(engine.encode(r)) for r in jobs.values()]
     assert stats.prompt_tokens == sum(prompts)
     # mlx-lm feeds each prompt's last token to the first decode step, not the prefill.
-    assert stats.prefilled_tokens == sum(prompts) - len(prompts) - sum(reused)
+    assert stats.prefilled_tokens == sum(prompts) - len(prompts) - sum(reused.values())
     assert stats.generated_tokens == sum(len(c.token_ids) for c in done.values())
 
 
@@ -299,11 +303,11 @@ def test_cancelled_producer_lets_waiting_jobs_run(tiny: Any) -> None:
 def test_cache_bytes_stay_bounded(tiny: Any) -> None:
     model, tokenizer = tiny
     per_block = BLOCK * 512  # the tiny model's KV: 512 bytes a token
-    engine = Engine.from_loaded(model, tokenizer, "tiny", prefix_cache_bytes=7 * per_block)
+    engine = Engine.from_loaded(model, tokenizer, "tiny", prefix_cache_bytes=28 * per_block)
     rng = random.Random(5)
     jobs = {}
-    for family in range(3):  # three prefixes of 5 blocks each: room for one and a bit
-        prefix = [rng.randrange(3, 512) for _ in range(5 * BLOCK)]
+    for family in range(3):  # three prefixes of 20 blocks each: room for one and a bit
+        prefix = [rng.randrange(3, 512) for _ in range(20 * BLOCK)]
         for i in range(3):
             jobs[f"{family}-{i}"] = Request(
                 prompt=prefix + [rng.randrange(3, 512)] * (i + 1), max_tokens=6
@@ -311,8 +315,8 @@ def test_cache_bytes_stay_bounded(tiny: Any) -> None:
     done = run_all(engine, jobs, join_every=4)
     check_reference(tiny, engine, jobs, done)
     stats = engine.stats()
-    assert stats.prefix_cache_bytes <= 7 * per_block and stats.prefix_evictions >= 8
-    assert stats.stored_tokens == 3 * 5 * BLOCK and stats.prefix_hits >= 3
+    assert stats.prefix_cache_bytes <= 28 * per_block and stats.prefix_evictions >= 32
+    assert stats.stored_tokens == 3 * 20 * BLOCK and stats.prefix_hits >= 3
 
 
 def test_model_error_with_prefix_cache_recovers(tiny: Any) -> None:
