@@ -108,6 +108,19 @@ def test_bucketed_prefill_shapes_equal_single_requests(
         assert reused[key].token_ids == want
 
 
+def test_bucketed_groups_take_whole_buckets_of_jobs(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """37 waiting jobs with bucketed prefill: 32 join first (no dummy rows), then the 5."""
+    model, tokenizer = tiny
+    monkeypatch.setenv(slot_choices.BUCKETS_ENV, "1")
+    engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=40, prefill_batch=40)
+    jobs = {f"j{i}": Request(prompt=[3 + i, 40 + i, 90 + 2 * i], max_tokens=4) for i in range(37)}
+    done = run_all(engine, jobs)
+    assert engine.stats().prefill_calls == 2
+    for key, request in jobs.items():
+        want = reference(model, tokenizer, engine.encode(request), request)["tokens"]
+        assert done[key].token_ids == want, key
+
+
 def test_span_groups_split_only_where_it_saves() -> None:
     lengths = [10] * 4 + [200] * 4 + [205] * 4
     # Always split: each run of four attends up to its own longest row (rounded to 32).
