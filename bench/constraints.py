@@ -172,7 +172,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mlxq.engine.gil import shorten_switch_interval
+
     use_openblas()
+    shorten_switch_interval()  # as the worker's MLX thread does (no Runner here)
     args = parse_args(argv)
     model, tokenizer = load(args.preset, args.model)
     rows = [bench_batch(model, tokenizer, int(b), args) for b in args.batches.split(",")]

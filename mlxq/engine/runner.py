@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlxq.engine.gil import shorten_switch_interval
 from mlxq.engine.hardware import DeviceFacts, device_facts
 from mlxq.engine.protocol import BatchEngine
 from mlxq.engine.sampling import Completion, EngineJob, StreamChunk
@@ -132,6 +133,7 @@ class Runner:
     # -- the MLX thread --------------------------------------------------------------
     def _main(self) -> None:
         try:
+            shorten_switch_interval()  # this thread takes the GIL back after every eval
             self.facts = device_facts()
             self.engine = self._make_engine(self.facts)
             self.scheduler = self._make_scheduler(self.engine, self.facts)
