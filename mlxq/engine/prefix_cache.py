@@ -108,11 +108,12 @@ class PrefixCache:
         block_size: int = DEFAULT_BLOCK,
         block_bytes: int = 0,
         min_store_tokens: int = 128,
-        max_counts: int = 1 << 16,
+        max_counts: int = 1 << 18,
     ) -> None:
         """``block_bytes`` estimates a block's KV size (updated from the blocks stored):
         a job never plans to store more than ``max_bytes`` holds, so jobs do not wait for
-        a prefix that would be evicted as soon as it is stored."""
+        a prefix that would be evicted as soon as it is stored. ``max_counts`` bounds the
+        block prefixes counted (LRU; 2^18 blocks of 16 tokens: 4M prompt tokens seen)."""
         if block_size < 1:
             raise ValueError("block_size must be at least 1")
         self.max_bytes, self.block_size, self.block_bytes = max_bytes, block_size, block_bytes
