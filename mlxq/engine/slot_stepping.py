@@ -105,7 +105,7 @@ class Stepping:
     def _sample_after(self, rows: list[Row], logits: mx.array) -> list[Completion]:
         """Sample a launched forward once the host has the step before's tokens (rows that
         ended meanwhile are dropped)."""
-        live = [i for i, r in enumerate(rows) if self._rows.get(r.slot) is r]
+        live = [i for i, _ in self._live(rows)]
         if not live:
             return []
         if len(live) < len(rows):
@@ -135,15 +135,15 @@ class Stepping:
         except Exception as exc:
             self._inflight = None
             return None, self._fail_batch(exc)
-        live = self._live(step)
+        live = self._live(step.rows)
         keys = [r.run.job.key for _, r in live]
         for hook in self.hooks:
             hook.accept(keys, [tokens[i] for i, _ in live])
         return tokens, []
 
-    def _live(self, step: Step) -> list[tuple[int, Row]]:
-        """The step's rows (index in the step, row) that still decode."""
-        return [(i, r) for i, r in enumerate(step.rows) if self._rows.get(r.slot) is r]
+    def _live(self, rows: list[Row]) -> list[tuple[int, Row]]:
+        """The ``rows`` (index among them, row) that still decode: not finished meanwhile."""
+        return [(i, r) for i, r in enumerate(rows) if self._rows.get(r.slot) is r]
 
     def _collect(self, step: Step, tokens: list[int] | None = None) -> list[Completion]:
         """The step's tokens to the host, handed to the hooks (unless they have had them:
@@ -156,7 +156,7 @@ class Stepping:
                 return lost
         free: list[tuple[int, Row]] = []
         held: list[tuple[int, Row]] = []
-        for i, r in self._live(step):
+        for i, r in self._live(step.rows):
             (held if self._constraints.holds(r.run.job.key) else free).append((i, r))
         done = self._record(step, tokens, free)
         if held:
