@@ -303,5 +303,4 @@ def make_prefix_cache(model: nn.Module, info: ModelInfo, max_bytes: int) -> Pref
     if not reusable(model):
         log.warning("prefix cache off: the KV cache of %s cannot be shared by prefix", info.name)
         return None
-    block = DEFAULT_BLOCK
-    return PrefixCache(max_bytes, block_size=block, block_bytes=info.kv_bytes_per_token * block)
+    return PrefixCache(max_bytes, block_bytes=info.kv_bytes_per_token * DEFAULT_BLOCK)
