@@ -6,12 +6,17 @@ from __future__ import annotations
 import pytest
 import test_constraints as base
 
+from mlxq.engine import slot_choices
 from mlxq.engine.slot_engine import SlotEngine
 
 
-@pytest.fixture
-def engine(tiny) -> SlotEngine:
-    return SlotEngine.from_loaded(*tiny, "tiny", max_batch=8)
+@pytest.fixture(params=["0", "1"], ids=["eager", "compiled"])
+def engine(tiny, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> SlotEngine:
+    """Eager and compiled decode forwards (the compiled one is the CUDA default)."""
+    monkeypatch.setenv(slot_choices.COMPILE_ENV, request.param)
+    engine = SlotEngine.from_loaded(*tiny, "tiny", max_batch=8)
+    assert engine.choices.compiled is (request.param == "1")
+    return engine
 
 
 test_mixed_batch_free_rows_stay_greedy_and_constrained_rows_conform = (

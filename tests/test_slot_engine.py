@@ -89,13 +89,15 @@ def test_overlapped_steps_equal_single_requests(
 def test_bucketed_prefill_shapes_equal_single_requests(
     tiny, monkeypatch: pytest.MonkeyPatch, prefill_step: int
 ) -> None:
-    """Prefill calls padded to bucket shapes (dummy rows, longer chunks: the CUDA default)
-    give the same tokens, with and without a cached prefix."""
+    """Prefill calls padded to bucket shapes (dummy rows, longer chunks), with the other
+    CUDA defaults (compiled forward, overlapped steps), give the same tokens, with and
+    without a cached prefix."""
     model, tokenizer = tiny
-    monkeypatch.setenv(slot_choices.BUCKETS_ENV, "1")
+    for env in (slot_choices.BUCKETS_ENV, slot_choices.COMPILE_ENV, slot_choices.OVERLAP_ENV):
+        monkeypatch.setenv(env, "1")
     sizes = {"max_batch": 5, "prefill_batch": 3, "prefill_step": prefill_step}
     engine = SlotEngine.from_loaded(model, tokenizer, "tiny", **sizes)
-    assert engine.choices.prefill_buckets
+    assert engine.choices.prefill_buckets and engine.choices.compiled and engine.choices.overlap
     done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, 2)
     check_against_reference(tiny, engine, done)
     shared = list(range(3, 200))
