@@ -291,6 +291,19 @@ def test_model_families_equal_single_requests(
     check_against_reference((model, tokenizer), engine, done)
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-phi3"])
+def test_model_families_through_the_compiled_forward(
+    family_models: dict, preset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled decode forward (the CUDA default) traces every family on slots."""
+    monkeypatch.setenv(slot_choices.COMPILE_ENV, "1")
+    model, tokenizer = family_models[preset]
+    engine = make_engine(model, tokenizer, preset, max_batch=3, prefill_batch=2)
+    assert isinstance(engine, SlotEngine) and engine.choices.compiled
+    done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, join_every=2)
+    check_against_reference((model, tokenizer), engine, done)
+
+
 def test_engines_satisfy_the_protocol(tiny) -> None:
     import sys
 
@@ -468,13 +481,18 @@ def test_decode_kernels_agree_and_free_rows_stay_finite() -> None:
         choose_kernel("cpu", "flash")
 
 
-def test_lora_adapter_equals_mlx_lm(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("compiled", ["0", "1"])
+def test_lora_adapter_equals_mlx_lm(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiled: str
+) -> None:
+    """With the eager and the compiled decode forward (the CUDA default)."""
     from test_lora import JOBS, make_adapter
 
+    monkeypatch.setenv(slot_choices.COMPILE_ENV, compiled)
     adapter = make_adapter(tiny_model_dir, tmp_path / "lora")
     model, tokenizer = mlx_lm.load(str(tiny_model_dir), adapter_path=str(adapter))
     engine = make_engine(model, tokenizer, "lora", max_batch=2, prefill_batch=2)
-    assert type(engine) is SlotEngine
+    assert type(engine) is SlotEngine and engine.choices.compiled is (compiled == "1")
     done = run_all(engine, dict(JOBS), join_every=1)
     for key, request in JOBS.items():
         expected = reference(model, tokenizer, engine.encode(request), request)["tokens"]
