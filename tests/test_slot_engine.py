@@ -25,7 +25,7 @@ from mlxq.engine.factory import make_engine
 from mlxq.engine.mlx_lm_batch import Engine
 from mlxq.engine.protocol import BatchEngine
 from mlxq.engine.sampling import EngineJob
-from mlxq.engine.slot_cache import SlotCache
+from mlxq.engine.slot_cache import SlotCache, SlotLayer
 from mlxq.engine.slot_engine import SlotEngine
 from mlxq.engine.slot_joins import JoinPolicy
 from mlxq.engine.slot_order import sorted_order, span_groups
@@ -223,6 +223,31 @@ def _quantized_reference(model: Any, tokenizer: Any, tokens: list[int], request,
             break
         out.append(token)
     return out
+
+
+def test_a_forward_that_cannot_be_compiled_gives_way_to_the_eager_one(
+    tiny, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A step the tracer cannot follow (here a host read inside each layer: fine eagerly,
+    an error while tracing) falls back to the eager forward with one warning; the cache
+    is left intact, so the tokens still equal mlx-lm's."""
+    monkeypatch.setenv(slot_choices.COMPILE_ENV, "1")
+    original = SlotLayer.update_and_fetch
+
+    def reads_the_host(self: SlotLayer, keys: mx.array, values: mx.array) -> Any:
+        keys.sum().item()
+        return original(self, keys, values)
+
+    monkeypatch.setattr(SlotLayer, "update_and_fetch", reads_the_host)
+    model, tokenizer = tiny
+    engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=4, prefill_batch=2)
+    assert engine.choices.compiled
+    with caplog.at_level(logging.WARNING, logger="mlxq.engine"):
+        done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, 2)
+    check_against_reference(tiny, engine, done)
+    assert not engine.choices.compiled and engine._forward is None
+    warned = [r for r in caplog.records if "compiled decode forward failed" in r.getMessage()]
+    assert len(warned) == 1
 
 
 @pytest.mark.parametrize(("bits", "compiled"), [(8, "0"), (4, "0"), (8, "1")])

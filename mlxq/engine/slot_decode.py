@@ -53,11 +53,19 @@ class CompiledForward:
             return model(tokens[:, None], cache=layers)[:, -1, :]
 
         state = [cache.keys, cache.values]  # lists the cache mutates in place
+        self._cache = cache
         self._fn = mx.compile(forward, inputs=state, outputs=state)
 
     def __call__(self, tokens: mx.array, positions: mx.array) -> mx.array:
-        """Logits ``[slots, vocab]`` of one decode step; writes each row's new key/value."""
-        return self._fn(tokens, positions)
+        """Logits ``[slots, vocab]`` of one decode step; writes each row's new key/value.
+        If tracing fails, the cache is left as it was and the error raised."""
+        keys, values = list(self._cache.keys), list(self._cache.values)
+        try:
+            return self._fn(tokens, positions)
+        except Exception:
+            # A failed trace leaves its tracers in the cache's lists: put the arrays back.
+            self._cache.keys[:], self._cache.values[:] = keys, values
+            raise
 
 
 @dataclass(eq=False)

@@ -14,6 +14,8 @@ the last step; it is sampled last.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,9 +23,12 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxq.engine.prompts import error_line
 from mlxq.engine.sampling import Completion, StreamChunk
 from mlxq.engine.slot_decode import Row, Step, run_forward, sample_step
 from mlxq.wire import FinishReason
+
+log = logging.getLogger("mlxq.engine.slot_engine")
 
 
 @dataclass
@@ -82,9 +87,8 @@ class Stepping:
         """Build and launch the next step of ``rows``; with ``sync``, only its model's part,
         the hooks handed ``prev``'s tokens between the build and the launch."""
         built, waited, out = time.perf_counter(), 0.0, _Launch()
-        args = (self.model, self._cache, self.choices.kernel, rows, prev)
         try:
-            logits = run_forward(*args, self.choices.saving, self._forward)
+            logits = self._forward_logits(rows, prev)
             if not sync:
                 out.step = sample_step(rows, logits, self.hooks)
             else:
@@ -101,6 +105,24 @@ class Stepping:
         self._stats.launch_seconds += time.perf_counter() - built - waited
         self._stats.decode_steps += 1
         return out
+
+    def _forward_logits(self, rows: list[Row], prev: Step | None) -> mx.array:
+        """The model's part of the step. A compiled forward that fails to trace (a model
+        whose code the tracer cannot follow) gives way to the eager one for good, with a
+        warning, and the step runs eagerly."""
+        args = (self.model, self._cache, self.choices.kernel, rows, prev, self.choices.saving)
+        if self._forward is not None:
+            try:
+                return run_forward(*args, self._forward)
+            except Exception as exc:
+                log.warning(
+                    "the compiled decode forward failed (%s): decoding eagerly from now on "
+                    "(MLXQ_SLOT_COMPILE=0 skips it)",
+                    error_line(exc),
+                )
+                self._forward = None
+                self.choices = dataclasses.replace(self.choices, compiled=False)
+        return run_forward(*args)
 
     def _sample_after(self, rows: list[Row], logits: mx.array) -> list[Completion]:
         """Sample a launched forward once the host has the step before's tokens (rows that
