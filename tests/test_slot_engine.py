@@ -250,6 +250,33 @@ def test_a_forward_that_cannot_be_compiled_gives_way_to_the_eager_one(
     assert len(warned) == 1
 
 
+def test_an_error_outside_the_trace_fails_the_batch_and_keeps_the_compiled_forward(
+    tiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a failed trace drops the compiled forward: the cache failing to grow (out of
+    memory) fails the batch as in the eager engine, and later jobs still run compiled."""
+    monkeypatch.setenv(slot_choices.COMPILE_ENV, "1")
+    model, tokenizer = tiny
+    engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=2, prefill_batch=2)
+    for i in range(2):
+        engine.add(EngineJob(str(i), REQUESTS[i]))
+    engine.step()
+    grow = SlotCache.reserve
+
+    def out_of_memory(self: SlotCache, tokens: int) -> None:
+        raise RuntimeError("[metal::malloc] Attempting to allocate 99 GB")
+
+    monkeypatch.setattr(SlotCache, "reserve", out_of_memory)
+    failed = engine.step()
+    monkeypatch.setattr(SlotCache, "reserve", grow)
+    assert sorted(c.key for c in failed) == ["0", "1"]
+    assert all(c.finish_reason == "error" and "out of memory" in c.error for c in failed)
+    assert engine.choices.compiled and engine._forward is not None
+    done = run_all(engine, {"2": REQUESTS[2]})
+    want = reference(model, tokenizer, engine.encode(REQUESTS[2]), REQUESTS[2])["tokens"]
+    assert done["2"].token_ids == want
+
+
 @pytest.mark.parametrize(("bits", "compiled"), [(8, "0"), (4, "0"), (8, "1")])
 def test_quantized_slot_cache_equals_mlx_lm_quantized_single_requests(
     wide_heads, monkeypatch: pytest.MonkeyPatch, bits: int, compiled: str

@@ -33,6 +33,11 @@ from mlxq.wire import TokenLogprob
 GROUP_ROWS = 64
 
 
+class TraceFailed(RuntimeError):
+    """The compiled forward could not trace a step (its cause chained); the cache is as it
+    was, so the step can run eagerly instead."""
+
+
 class CompiledForward:
     """The model's decode forward over every slot of a cache, through ``mx.compile``.
 
@@ -58,14 +63,14 @@ class CompiledForward:
 
     def __call__(self, tokens: mx.array, positions: mx.array) -> mx.array:
         """Logits ``[slots, vocab]`` of one decode step; writes each row's new key/value.
-        If tracing fails, the cache is left as it was and the error raised."""
+        Raises :class:`TraceFailed` (the cache left as it was) if tracing fails."""
         keys, values = list(self._cache.keys), list(self._cache.values)
         try:
             return self._fn(tokens, positions)
-        except Exception:
+        except Exception as e:
             # A failed trace leaves its tracers in the cache's lists: put the arrays back.
             self._cache.keys[:], self._cache.values[:] = keys, values
-            raise
+            raise TraceFailed(str(e)) from e
 
 
 @dataclass(eq=False)

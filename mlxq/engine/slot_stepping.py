@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from mlxq.engine.prompts import error_line
 from mlxq.engine.sampling import Completion, StreamChunk
-from mlxq.engine.slot_decode import Row, Step, run_forward, sample_step
+from mlxq.engine.slot_decode import Row, Step, TraceFailed, run_forward, sample_step
 from mlxq.wire import FinishReason
 
 log = logging.getLogger("mlxq.engine.slot_engine")
@@ -109,12 +109,12 @@ class Stepping:
     def _forward_logits(self, rows: list[Row], prev: Step | None) -> mx.array:
         """The model's part of the step. A compiled forward that fails to trace (a model
         whose code the tracer cannot follow) gives way to the eager one for good, with a
-        warning, and the step runs eagerly."""
+        warning, and the step runs eagerly; any other error is the step's own."""
         args = (self.model, self._cache, self.choices.kernel, rows, prev, self.choices.saving)
         if self._forward is not None:
             try:
                 return run_forward(*args, self._forward)
-            except Exception as exc:
+            except TraceFailed as exc:
                 log.warning(
                     "the compiled decode forward failed (%s): decoding eagerly from now on "
                     "(MLXQ_SLOT_COMPILE=0 skips it)",
