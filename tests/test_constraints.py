@@ -15,14 +15,9 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from mlxq.engine.constraints import (
-    ConstraintBatch,
-    ConstraintHook,
-    Grammars,
-    apply_masks,
-    make_lltokenizer,
-    unpack_masks,
-)
+from mlxq.engine import device_masks
+from mlxq.engine.constraints import ConstraintBatch, ConstraintHook, Grammars, make_lltokenizer
+from mlxq.engine.device_masks import DeviceMasks, apply_masks, unpack_masks
 from mlxq.engine.mlx_lm_batch import Completion, Engine, EngineJob
 from mlxq.formats.constraints import constraint_problem, grammar_of
 from mlxq.formats.inputs import parse_lines
@@ -316,6 +311,33 @@ def test_masks_unpack_to_the_allowed_tokens():
         assert (out[want] == np.array(logits)[want]).all()
 
 
+@pytest.mark.parametrize("vocab", [160, 150])  # whole words (no unpacking), and not
+def test_a_table_of_distinct_masks_picked_per_row_masks_as_the_rows_themselves(vocab):
+    rng = np.random.default_rng(2)
+    table = rng.integers(-(2**31), 2**31, size=(3, 5), dtype=np.int64).astype(np.int32)
+    index = [2, 0, 2, 1, 0]
+    logits = mx.array(rng.normal(size=(5, vocab)).astype(np.float32)).astype(mx.bfloat16)
+    picked = DeviceMasks(table, vocab, index).apply(logits)
+    assert mx.array_equal(picked, DeviceMasks(table[index], vocab).apply(logits)).item()
+    assert mx.array_equal(picked, apply_masks(logits, mx.array(table[index]))).item()
+
+
+def test_the_compiled_mask_kernel_equals_the_plain_ops():
+    """CUDA's one fused kernel (shapeless: any rows, any words) computes what the plain ops
+    do on the CPU, for every shape it meets without a new trace."""
+    rng = np.random.default_rng(3)
+    shifts = mx.arange(32, dtype=mx.int32)
+    for rows, words in ((3, 5), (8, 2), (1, 7)):
+        masks = rng.integers(-(2**31), 2**31, size=(rows, words, 1), dtype=np.int64)
+        words3 = mx.array(masks.astype(np.int32))
+        logits = mx.array(rng.normal(size=(rows, words, 32)).astype(np.float32))
+        fused = device_masks._fused_masked_words(words3, shifts, logits)
+        plain = device_masks._masked_words(words3, shifts, logits)
+        assert mx.array_equal(fused, plain).item()
+        allowed = np.unpackbits(masks.astype(np.int32).view(np.uint8), axis=2, bitorder="little")
+        assert (np.isneginf(np.array(fused)) == (allowed == 0)).all()
+
+
 def test_batch_hook_masks_only_its_rows_and_follows_their_tokens(tiny):
     """The engine-agnostic hook: ``process`` masks the tracked rows, ``accept`` steps them."""
     model, tokenizer = tiny
@@ -340,6 +362,22 @@ def test_batch_hook_masks_only_its_rows_and_follows_their_tokens(tiny):
     assert not batch.failures
     batch.drop("a")
     assert "a" not in batch.jobs
+
+
+def test_masks_prepared_for_a_step_stay_as_they_were_after_the_next_fill(tiny):
+    """``prepare`` fills every step into one reused buffer: what it handed out stays."""
+    model, tokenizer = tiny
+    batch = ConstraintBatch(Grammars(tokenizer, model.args.vocab_size))
+    batch.track("a", batch.grammars.job(RegexFormat("[0-9]x")))
+    batch.track("b", batch.grammars.job(RegexFormat("[a-w]+")))
+    first = batch.prepare()
+    kept = first.masks.copy()
+    digit = next(t for t in range(len(tokenizer)) if tokenizer.decode([t]) == "7")
+    letter = next(t for t in range(len(tokenizer)) if tokenizer.decode([t]) == "q")
+    batch.accept(["a", "b"], [digit, letter])
+    second = batch.prepare()
+    assert np.array_equal(first.masks, kept)
+    assert not np.array_equal(second.masks[second.rows["a"]], first.masks[first.rows["a"]])
 
 
 def test_run_writes_constrained_results(tiny_model, tmp_path):

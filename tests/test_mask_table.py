@@ -31,5 +31,14 @@ def test_rows_whose_fingerprints_collide_stay_apart(monkeypatch: pytest.MonkeyPa
 def test_one_row_or_none() -> None:
     one = np.full((1, 3), -1, dtype=np.int32)
     table, index = distinct_rows(one)
-    assert table is one and index.tolist() == [0]
+    assert np.array_equal(table, one) and index.tolist() == [0]
     assert distinct_rows(np.zeros((0, 3), dtype=np.int32))[1].tolist() == []
+
+
+def test_the_table_is_never_the_callers_buffer() -> None:
+    # (the constraints' helper fills its masks into one buffer, step after step)
+    for rows in (1, 4):
+        masks = np.arange(rows * 3, dtype=np.int32).reshape(rows, 3)
+        table = distinct_rows(masks)[0]
+        masks[:] = -7
+        assert not np.shares_memory(table, masks) and (table != -7).all()

@@ -4,9 +4,8 @@
 by content) and hands out a fresh :class:`JobConstraint` per job. :class:`ConstraintBatch`
 is the engine-side hook: once per decode step it advances the matchers of the constrained
 rows by the tokens just sampled (``accept``) and fills all their masks in one
-``LLExecutor`` call, in parallel threads off the GIL (``masks``); :func:`apply_masks` then
-applies them to the logits on the device (llguidance's kernel on Metal, plain MLX ops on
-CUDA and the CPU). Rows without a constraint are never touched.
+``LLExecutor`` call, in parallel threads off the GIL (``masks``); :mod:`~mlxq.engine.device_masks`
+then applies them to the logits on the device. Rows without a constraint are never touched.
 
 A matcher that fails (its grammar hit a resource limit, or a token it cannot take) is
 recorded in ``ConstraintBatch.failures`` for the engine to fail that job alone; its row
@@ -27,6 +26,7 @@ import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 
+from mlxq.engine.device_masks import DeviceMasks
 from mlxq.engine.mask_table import distinct_rows
 from mlxq.formats.constraints import ConstraintError, constraint_key, grammar_of
 from mlxq.wire import ResponseFormat
@@ -136,6 +136,7 @@ class ConstraintBatch:
         self._threads = threads
         self.jobs: dict[Hashable, JobConstraint] = {}
         self.failures: dict[Hashable, str] = {}  # slot -> why its matcher failed
+        self._scratch = np.empty((0, 0), dtype=np.int32)  # prepare's masks, reused
 
     @property
     def executor(self) -> llguidance.LLExecutor:
@@ -167,10 +168,13 @@ class ConstraintBatch:
                 why = matcher.get_error() or f"token {token} is not allowed here"
                 self.failures.setdefault(slot, f"the constraint failed: {why}")
 
-    def masks(self, slots: Sequence[Hashable]) -> np.ndarray:
-        """The next-token bitmasks of ``slots`` (rows in that order), filled in parallel."""
+    def masks(self, slots: Sequence[Hashable], out: np.ndarray | None = None) -> np.ndarray:
+        """The next-token bitmasks of ``slots`` (rows in that order), filled in parallel;
+        into ``out`` (at least as many rows) when every slot is tracked, so that every
+        row is written."""
         width = (self.grammars.vocab_size + 31) // 32
-        out = np.full((max(1, len(slots)), width), -1, dtype=np.int32)
+        if out is None:
+            out = np.full((max(1, len(slots)), width), -1, dtype=np.int32)
         pairs = []
         for i, slot in enumerate(slots):
             if (job := self.jobs.get(slot)) is not None:
@@ -201,7 +205,11 @@ class ConstraintBatch:
         thread while the MLX thread works; :meth:`process` takes the result.
         """
         order = list(self.jobs)
-        table, index = distinct_rows(self.masks(order))
+        width = (self.grammars.vocab_size + 31) // 32
+        if len(self._scratch) < len(order) or self._scratch.shape[1] != width:
+            # (a fresh 4 MB array a step for 256 rows of a 128k vocabulary: reuse one)
+            self._scratch = np.empty((max(1, len(order)), width), dtype=np.int32)
+        table, index = distinct_rows(self.masks(order, self._scratch))
         return Prepared({slot: int(i) for slot, i in zip(order, index, strict=True)}, table)
 
     def process(
@@ -241,54 +249,6 @@ class ConstraintBatch:
         if late:
             masks[late] = self.masks([slots[i] for i in late])
         return DeviceMasks(masks, vocab).apply(logits)
-
-
-class DeviceMasks:
-    """Bitmasks (rows, words) on the device, ready to apply row by row or all at once;
-    with ``index``, ``masks`` is a table of distinct rows and row ``i`` is its ``index[i]``."""
-
-    def __init__(self, masks: np.ndarray, vocab: int, index: Sequence[int] | None = None) -> None:
-        table = mx.array(masks)
-        pick = None if index is None else mx.array(index)
-        if _use_kernel():  # llguidance's kernel takes a row of words per logits row
-            self.words, self.allowed = table if pick is None else table[pick], None
-        else:  # off Metal, unpack once (the distinct rows only): a row is then a `where`
-            allowed = unpack_masks(table, vocab)
-            self.allowed = allowed if pick is None else allowed[pick]
-
-    def apply(self, logits: mx.array, row: int | None = None) -> mx.array:
-        """``logits`` (one row, or all rows) with the forbidden tokens at -inf."""
-        if self.allowed is None:
-            words = self.words if row is None else self.words[row : row + 1]
-            return apply_masks(logits, words)
-        allowed = self.allowed if row is None else self.allowed[row : row + 1]
-        return mx.where(allowed, logits, -mx.inf)
-
-
-def _use_kernel() -> bool:
-    """llguidance's MLX kernel is a Metal kernel; CUDA and the CPU use plain ops."""
-    return mx.metal.is_available()
-
-
-def apply_masks(logits: mx.array, masks: mx.array) -> mx.array:
-    """``logits`` (rows, vocab) with the tokens each row's bitmask (rows, words) forbids set
-    to -inf; bits past the mask's width forbid."""
-    if _use_kernel():
-        from llguidance.mlx import apply_token_bitmask_kernel
-
-        return apply_token_bitmask_kernel(logits, masks)
-    return mx.where(unpack_masks(masks, logits.shape[-1]), logits, -mx.inf)
-
-
-def unpack_masks(masks: mx.array, vocab: int) -> mx.array:
-    """Bitmasks (rows, words) as booleans (rows, ``vocab``), with plain MLX ops."""
-    rows, words = masks.shape
-    # (Arrays are made here, not at import: MLX streams belong to the thread that runs it.)
-    shifts = mx.arange(32, dtype=mx.int32)
-    bits = ((masks[:, :, None] >> shifts) & 1).reshape(rows, words * 32).astype(mx.bool_)
-    if words * 32 >= vocab:
-        return bits[:, :vocab]
-    return mx.concatenate([bits, mx.zeros((rows, vocab - words * 32), dtype=mx.bool_)], axis=1)
 
 
 class ConstraintHook:

@@ -26,10 +26,10 @@ def distinct_rows(masks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     n = len(masks)
     if n < 2:
-        return masks, np.zeros(n, dtype=np.intp)
+        return masks.copy(), np.zeros(n, dtype=np.intp)  # (never the caller's buffer)
     words = _as_u64(masks)
     weights = (np.arange(words.shape[1], dtype=np.uint64) * _GOLDEN) | np.uint64(1)
-    fingerprints = (words * weights).sum(axis=1)  # wraps around: a hash, not a count
+    fingerprints = words @ weights  # wraps around: a hash, not a count (no temporary)
     _, first, index = np.unique(fingerprints, return_index=True, return_inverse=True)
     index = index.reshape(n).astype(np.intp)
     same = (words == words[first[index]]).all(axis=1)
@@ -38,7 +38,7 @@ def distinct_rows(masks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         collided = np.flatnonzero(~same)
         index[collided] = len(first) + np.arange(len(collided))
         entries = np.concatenate([first, collided])
-    return masks[entries], index
+    return masks[entries], index  # (a copy: the caller may reuse ``masks``)
 
 
 def _as_u64(masks: np.ndarray) -> np.ndarray:
