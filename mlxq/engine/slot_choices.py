@@ -11,8 +11,8 @@
 - the compiled forward (``MLXQ_SLOT_COMPILE``): on CUDA only. A CUDA decode step is
   host-bound, and the compiled one costs the host less: 1.16-1.20x the gen tok/s on the
   H200 (1B, batch 256; uniform, varied outputs, JSON-schema and free jobs, alternating
-  processes on one host), after a first-use kernel build of about 20 s on a fresh
-  machine. The CPU pays for its whole-capacity span; Metal is unmeasured;
+  processes on one host; 1.36x on 8B's varied outputs), after a first-use kernel build
+  of about 20 s on a fresh machine. The CPU pays for its whole-capacity span; Metal is unmeasured;
 - sorting rows by length (``MLXQ_SLOT_SORT=0`` turns it off; never with the compiled
   forward, which attends the whole capacity anyway);
 - join wait (``MLXQ_JOIN_WAIT``): decode steps the oldest waiting job may wait before a
