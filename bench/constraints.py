@@ -79,15 +79,21 @@ def run(engine: Any, jobs: list[Any]) -> tuple[tuple[float, float], dict[str, An
 
     CPU seconds (all of the process's threads) are the steadier figure on a shared machine.
     """
+    return timed_run(engine, jobs)[:2]
+
+
+def timed_run(engine: Any, jobs: list[Any]) -> tuple[tuple[float, float], dict[str, Any], Any]:
+    """:func:`run`, and the engine's counts of the run (``EngineStats``)."""
     from mlxq.engine.sampling import EngineJob
 
+    before = engine.stats()
     clock, cpu = Stopwatch(), time.process_time()
     for i, request in enumerate(jobs):
         assert engine.add(EngineJob(str(i), request)) is None
     done = {}
     while engine.active:
         done.update((c.key, c) for c in engine.step())
-    return (clock.stop(), time.process_time() - cpu), done
+    return (clock.stop(), time.process_time() - cpu), done, engine.stats().since(before)
 
 
 def steps(c: Any) -> int:
@@ -119,12 +125,24 @@ def bench_batch(model: Any, tokenizer: Any, batch: int, args: argparse.Namespace
     run(free, free_jobs[:4])
 
     secs: dict[str, list[tuple[float, float]]] = {"free": [], "json": [], "mixed": []}
+    parts: list[tuple[float, float, float]] = []  # json: ms a step of decode, helper, wait
     for _ in range(args.repeat):
         secs["free"].append(run(free, free_jobs)[0])
-        secs["json"].append(run(constrained, json_jobs)[0])
+        wall, _, work = timed_run(constrained, json_jobs)
+        secs["json"].append(wall)
+        per_step = 1000 / max(1, work.decode_steps)
+        parts.append(
+            (
+                work.decode_seconds * per_step,
+                work.mask_seconds * per_step,
+                work.mask_wait_seconds * per_step,
+            )
+        )
         secs["mixed"].append(run(constrained, mixed_jobs)[0])
     tokens = sum(lengths)
     out = {"batch": batch, "jobs": len(ps), "tokens": tokens, "unfinished_json": unfinished}
+    step_ms, helper_ms, wait_ms = (statistics.median(p[i] for p in parts) for i in range(3))
+    out["json_step_ms"] = {"decode": step_ms, "mask_helper": helper_ms, "mask_wait": wait_ms}
     out["mean_output"] = tokens / len(ps)
     out["mean_prompt"] = sum(map(len, ps)) / len(ps)
     for mode, s in secs.items():
@@ -155,6 +173,14 @@ def report(rows: list[dict], header: str) -> str:
     headers = ["batch", "jobs (prompt + out)", "free tok/s", "json tok/s", "json/free"]
     headers += ["(CPU)", "mixed/free", "(CPU)", "json unfinished"]
     lines.append(table(headers, cells))
+    lines += ["", "JSON decode steps, ms a step (medians): the whole step; the mask helper's"]
+    lines += ["work (another thread, beside it); the step waiting for the helper"]
+    ms = [r["json_step_ms"] for r in rows]
+    cells = [
+        [str(r["batch"]), f"{m['decode']:.2f}", f"{m['mask_helper']:.2f}", f"{m['mask_wait']:.2f}"]
+        for r, m in zip(rows, ms, strict=True)
+    ]
+    lines.append(table(["batch", "decode step", "mask helper", "waiting for it"], cells))
     return "\n".join(lines)
 
 

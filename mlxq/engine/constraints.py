@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -272,6 +273,8 @@ class ConstraintHook:
         self._pending: concurrent.futures.Future[Prepared] | None = None
         self._prepared: Prepared | None = None
         self._released: list[str] = []  # dropped once the helper is done with them
+        self.helper_seconds = 0.0  # the helper advancing matchers and filling masks
+        self.waited_seconds = 0.0  # callers waiting for it
 
     @classmethod
     def for_model(cls, model: Any, tokenizer: Any) -> ConstraintHook:
@@ -322,15 +325,31 @@ class ConstraintHook:
             return
         live = [(r, t) for r, t in zip(rows, tokens, strict=True) if t not in self._eos]
         args = ([r for r, _ in live], [t for _, t in live])
-        self._advanced = self._helper.submit(self.batch.accept, *args)
-        self._pending = self._helper.submit(self.batch.prepare)
+        self._advanced = self._helper.submit(self._timed, self.batch.accept, *args)
+        self._pending = self._helper.submit(self._timed, self.batch.prepare)
+
+    def _timed(self, task: Any, *args: Any) -> Any:
+        """Run ``task`` on the helper thread, counting its time."""
+        tic = time.perf_counter()
+        try:
+            return task(*args)
+        finally:
+            self.helper_seconds += time.perf_counter() - tic
+
+    def _wait(self, future: concurrent.futures.Future[Any]) -> Any:
+        """The helper's result, counting the time spent waiting for it."""
+        tic = time.perf_counter()
+        try:
+            return future.result()
+        finally:
+            self.waited_seconds += time.perf_counter() - tic
 
     def _settle(self) -> None:
         """Wait for the helper's masks, if any are coming (re-raises its errors)."""
         self._settle_advance()
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            self._prepared = pending.result()
+            self._prepared = self._wait(pending)
         for key in self._released:
             self.batch.drop(key)
         self._released.clear()
@@ -339,7 +358,7 @@ class ConstraintHook:
         """Wait for the helper's advance of the matchers (re-raises its errors)."""
         if self._advanced is not None:
             advanced, self._advanced = self._advanced, None
-            advanced.result()
+            self._wait(advanced)
 
     def release(self, key: str) -> None:
         self._released.append(key)

@@ -149,6 +149,8 @@ class SlotEngine(Stepping, Joining):
     def stats(self) -> EngineStats:
         """Counts of prompt, decode and prefix-cache work so far."""
         out = dataclasses.replace(self._stats)
+        out.mask_seconds = self._constraints.helper_seconds
+        out.mask_wait_seconds = self._constraints.waited_seconds
         if self._prefix is not None:
             out = dataclasses.replace(out, **self._prefix.counts())
             out.prefill_seconds += self._prefix.seconds

@@ -18,6 +18,10 @@ class EngineStats:
     ``prefix_cache_bytes`` is what it holds now. ``decode_steps`` and ``launch_seconds``
     (the host building and launching them, within ``decode_seconds``) tell a host-bound
     engine from a device-bound one; the ``BatchGenerator`` engine leaves them at 0.
+    ``mask_seconds``: the constraints' helper thread advancing matchers and filling masks
+    (beside the decode steps, on another thread); ``mask_wait_seconds``: the decode steps
+    waiting for it (within ``decode_seconds``): a constrained batch whose wait grows is
+    bound by its masks, not by the model (the slot engine; the other leaves them at 0).
     """
 
     prompt_tokens: int = 0
@@ -28,6 +32,8 @@ class EngineStats:
     decode_seconds: float = 0.0
     decode_steps: int = 0
     launch_seconds: float = 0.0
+    mask_seconds: float = 0.0
+    mask_wait_seconds: float = 0.0
     sorts: int = 0  # times the slot engine moved its rows into length order
     prefix_hits: int = 0
     reused_tokens: int = 0
