@@ -140,6 +140,11 @@ class ConstraintBatch:
         self._scratch = np.empty((0, 0), dtype=np.int32)  # prepare's masks, reused
 
     @property
+    def width(self) -> int:
+        """32-bit words in a mask row (one bit per token of the model's logits)."""
+        return (self.grammars.vocab_size + 31) // 32
+
+    @property
     def executor(self) -> llguidance.LLExecutor:
         if self._executor is None:
             self._executor = llguidance.LLExecutor(self._threads)
@@ -173,9 +178,8 @@ class ConstraintBatch:
         """The next-token bitmasks of ``slots`` (rows in that order), filled in parallel;
         into ``out`` (at least as many rows) when every slot is tracked, so that every
         row is written."""
-        width = (self.grammars.vocab_size + 31) // 32
         if out is None:
-            out = np.full((max(1, len(slots)), width), -1, dtype=np.int32)
+            out = np.full((max(1, len(slots)), self.width), -1, dtype=np.int32)
         pairs = []
         for i, slot in enumerate(slots):
             if (job := self.jobs.get(slot)) is not None:
@@ -194,8 +198,7 @@ class ConstraintBatch:
     @property
     def _eos_mask(self) -> np.ndarray:
         """A mask that allows only EOS: a failed row ends while the engine fails its job."""
-        width = (self.grammars.vocab_size + 31) // 32
-        bits = np.zeros(width * 32, dtype=np.uint8)
+        bits = np.zeros(self.width * 32, dtype=np.uint8)
         bits[self.grammars.lltokenizer.eos_tokens] = 1
         return np.packbits(bits, bitorder="little").view(np.int32)
 
@@ -206,10 +209,9 @@ class ConstraintBatch:
         thread while the MLX thread works; :meth:`process` takes the result.
         """
         order = list(self.jobs)
-        width = (self.grammars.vocab_size + 31) // 32
-        if len(self._scratch) < len(order) or self._scratch.shape[1] != width:
+        if len(self._scratch) < len(order) or self._scratch.shape[1] != self.width:
             # (a fresh 4 MB array a step for 256 rows of a 128k vocabulary: reuse one)
-            self._scratch = np.empty((max(1, len(order)), width), dtype=np.int32)
+            self._scratch = np.empty((max(1, len(order)), self.width), dtype=np.int32)
         table, index = distinct_rows(self.masks(order, self._scratch))
         return Prepared({slot: int(i) for slot, i in zip(order, index, strict=True)}, table)
 
@@ -242,8 +244,7 @@ class ConstraintBatch:
             for i in ready:
                 index[i] = have[slots[i]]
             return DeviceMasks(table, vocab, index).apply(logits)
-        width = (self.grammars.vocab_size + 31) // 32
-        masks = np.full((n, width), -1, dtype=np.int32)
+        masks = np.full((n, self.width), -1, dtype=np.int32)
         if ready:
             assert prepared is not None
             masks[ready] = prepared.masks[[have[slots[i]] for i in ready]]
