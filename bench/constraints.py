@@ -175,11 +175,8 @@ def report(rows: list[dict], header: str) -> str:
     lines.append(table(headers, cells))
     lines += ["", "JSON decode steps, ms a step (medians): the whole step; the mask helper's"]
     lines += ["work (another thread, beside it); the step waiting for the helper"]
-    ms = [r["json_step_ms"] for r in rows]
-    cells = [
-        [str(r["batch"]), f"{m['decode']:.2f}", f"{m['mask_helper']:.2f}", f"{m['mask_wait']:.2f}"]
-        for r, m in zip(rows, ms, strict=True)
-    ]
+    keys = ("decode", "mask_helper", "mask_wait")
+    cells = [[str(r["batch"]), *(f"{r['json_step_ms'][k]:.2f}" for k in keys)] for r in rows]
     lines.append(table(["batch", "decode step", "mask helper", "waiting for it"], cells))
     return "\n".join(lines)
 

@@ -243,14 +243,14 @@ class ConstraintBatch:
             index = [free] * n
             for i in ready:
                 index[i] = have[slots[i]]
-            return DeviceMasks(table, vocab, index).apply(logits)
+            return DeviceMasks(table, index).apply(logits)
         masks = np.full((n, self.width), -1, dtype=np.int32)
         if ready:
             assert prepared is not None
             masks[ready] = prepared.masks[[have[slots[i]] for i in ready]]
         if late:
             masks[late] = self.masks([slots[i] for i in late])
-        return DeviceMasks(masks, vocab).apply(logits)
+        return DeviceMasks(masks).apply(logits)
 
 
 class ConstraintHook:

@@ -40,7 +40,7 @@ class RowProcessor:
         if self.job.started or self.uid not in self.owner.batch.jobs:
             return logits  # (masked by MaskingModel from its second token on)
         self.owner.seated = True  # leaves the per-row path after this step
-        return DeviceMasks(self.owner.batch.masks([self.uid]), logits.shape[-1]).apply(logits)
+        return DeviceMasks(self.owner.batch.masks([self.uid])).apply(logits)
 
 
 class MaskingModel:
@@ -123,4 +123,4 @@ class BatchGeneratorConstraints:
         masks = self.batch.masks([u for _, u in rows])
         full = np.full((len(batch.uids), masks.shape[1]), -1, dtype=np.int32)
         full[[i for i, _ in rows]] = masks  # free rows: all ones, their logits unchanged
-        return DeviceMasks(full, out.shape[-1]).apply(out[:, -1, :])[:, None, :]
+        return DeviceMasks(full).apply(out[:, -1, :])[:, None, :]

@@ -35,22 +35,13 @@ class DeviceMasks:
     ``masks`` is a table of distinct rows and row ``i`` is its ``index[i]`` (gathered on
     the device: only the distinct rows are uploaded)."""
 
-    def __init__(self, masks: np.ndarray, vocab: int, index: Sequence[int] | None = None) -> None:
+    def __init__(self, masks: np.ndarray, index: Sequence[int] | None = None) -> None:
         table = mx.array(masks)
-        pick = None if index is None else mx.array(index)
-        if _use_kernel() or vocab == masks.shape[1] * 32:  # a row is its words
-            self.words: mx.array | None = table if pick is None else table[pick]
-            self.allowed: mx.array | None = None
-        else:  # unpack once (the distinct rows only): a row is then a `where`
-            allowed = unpack_masks(table, vocab)
-            self.words, self.allowed = None, allowed if pick is None else allowed[pick]
+        self.words = table if index is None else table[mx.array(index)]
 
     def apply(self, logits: mx.array) -> mx.array:
-        """``logits`` (rows, vocab) with the forbidden tokens at -inf."""
-        if self.words is not None:
-            return apply_masks(logits, self.words)
-        assert self.allowed is not None
-        return mx.where(self.allowed, logits, -mx.inf)
+        """``logits`` (rows, vocab) with the forbidden tokens at -inf (:func:`apply_masks`)."""
+        return apply_masks(logits, self.words)
 
 
 @functools.cache
