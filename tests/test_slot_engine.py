@@ -200,6 +200,32 @@ def test_compiled_forward_equals_single_requests_as_the_cache_grows(
     assert len(_GrowingCache.sizes) >= 3  # it grew while rows decoded
 
 
+def test_the_compiled_forward_takes_lazily_built_model_arrays_as_constants() -> None:
+    """mlx-lm's su-scaled (and Llama 3) RoPE build their frequencies lazily at init, as
+    non-parameters: the trace must take them as they are, not redo ``base ** (i / d)``
+    in every step's graph."""
+    import io
+    import re
+
+    from mlxq.engine import mlx_lm_seam
+    from mlxq.engine.make_model import build_model
+
+    model, _ = build_model("tiny-phi3")
+    mlx_lm_seam.install(model)
+    cache = SlotCache(len(model.layers), 2)
+    heads, dim = model.args.num_key_value_heads, 16
+    for layer in range(cache.num_layers):
+        kv = mx.zeros((2, heads, 4, dim))
+        cache.write([0, 1], layer, kv, kv)
+    forward = slot_decode.CompiledForward(model, cache, gqa_decode)
+    logits = forward(mx.array([1, 2]), mx.array([4, 4]))
+    dot = io.StringIO()
+    mx.export_to_dot(dot, logits)
+    primitives = set(re.findall(r'label ="([A-Za-z]+)', dot.getvalue()))
+    assert "Matmul" in primitives  # (fused elementwise ops show as "Compiled...Power...")
+    assert not [p for p in primitives if "Power" in p], primitives
+
+
 @pytest.fixture(scope="module")
 def wide_heads(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
     from mlxq.engine.make_model import make_model

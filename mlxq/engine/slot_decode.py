@@ -59,6 +59,7 @@ class CompiledForward:
 
         state = [cache.keys, cache.values]  # lists the cache mutates in place
         self._cache = cache
+        _evaluate_private_arrays(model)
         self._fn = mx.compile(forward, inputs=state, outputs=state)
 
     def __call__(self, tokens: mx.array, positions: mx.array) -> mx.array:
@@ -71,6 +72,16 @@ class CompiledForward:
             # A failed trace leaves its tracers in the cache's lists: put the arrays back.
             self._cache.keys[:], self._cache.values[:] = keys, values
             raise TraceFailed(str(e)) from e
+
+
+def _evaluate_private_arrays(model: nn.Module) -> None:
+    """Compute the model's arrays that are not parameters (mlx-lm's Llama 3, YaRN and
+    su-scaled RoPE build ``_freqs`` lazily at init): a trace would otherwise capture
+    their computation and redo it every step (16 kernels a step on a Llama 3.2 1B)."""
+    arrays = model.filter_and_map(
+        lambda _m, _k, v: isinstance(v, mx.array | dict | list | nn.Module)
+    )
+    mx.eval(arrays)
 
 
 @dataclass(eq=False)
