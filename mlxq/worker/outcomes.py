@@ -19,7 +19,7 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.worker import BaseWorker
 
-from mlxq.broker.rq_store import transitions
+from mlxq.broker.rq_store import end_script, transitions
 from mlxq.engine.sampling import Completion
 from mlxq.wire import FinishReason, JobMeta, Request, Result, Timing, Usage
 
@@ -53,7 +53,21 @@ def still_held(conn: redis.Redis, items: Sequence[Held]) -> list[bool]:
 
 
 def write_results(worker: BaseWorker, done: list[tuple[InFlight, Result]]) -> list[InFlight]:
-    """Store results of jobs this worker still holds; returns the ones it had lost."""
+    """Store results of jobs this worker still holds; returns the ones it had lost.
+
+    Finished jobs (most) end through :mod:`~mlxq.broker.rq_store.end_script`, one script
+    call each; the others through RQ's objects, in one transaction.
+    """
+    fast = [(inf, r) for inf, r in done if end_script.applies(inf.job, r)]
+    endings = [end_script.Ending(inf.job, inf.queue, inf.execution, r) for inf, r in fast]
+    held = end_script.end_finished(worker, endings)
+    lost = [inf for (inf, _), ok in zip(fast, held, strict=True) if not ok]
+    rest = [(inf, r) for inf, r in done if not end_script.applies(inf.job, r)]
+    return lost + _write_through_rq(worker, rest)
+
+
+def _write_through_rq(worker: BaseWorker, done: list[tuple[InFlight, Result]]) -> list[InFlight]:
+    """:func:`write_results` for jobs the script does not end, through RQ's objects."""
     if not done:
         return []
     with worker.connection.pipeline() as pipe:

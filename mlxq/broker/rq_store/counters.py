@@ -12,19 +12,26 @@ from mlxq.broker import keys
 from mlxq.broker.rq_store.rq_keys import job_key
 from mlxq.broker.rq_store.states import BUCKETS
 
+
 # A job with no ``mlxq_state`` yet is in ``queued`` (where submit counts it). Batches
 # without counters (made before they were kept) are left alone.
-_MOVE = """
-if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 0 then
+def move_lua(job: str = "KEYS[1]", counts: str = "KEYS[2]", bucket: str = "ARGV[1]") -> str:
+    """Lua that moves a job (its hash at ``job``) to ``bucket`` in the batch counters at
+    ``counts`` (Lua expressions), once; it returns 1 if it moved the job, else 0."""
+    return f"""
+if redis.call('EXISTS', {job}) == 0 or redis.call('EXISTS', {counts}) == 0 then
   return 0
 end
-local old = redis.call('HGET', KEYS[1], 'mlxq_state') or 'queued'
-if old == ARGV[1] then return 0 end
-redis.call('HINCRBY', KEYS[2], old, -1)
-redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
-redis.call('HSET', KEYS[1], 'mlxq_state', ARGV[1])
+local old = redis.call('HGET', {job}, 'mlxq_state') or 'queued'
+if old == {bucket} then return 0 end
+redis.call('HINCRBY', {counts}, old, -1)
+redis.call('HINCRBY', {counts}, {bucket}, 1)
+redis.call('HSET', {job}, 'mlxq_state', {bucket})
 return 1
 """
+
+
+_MOVE = move_lua()
 
 
 def batch_of(job: Job) -> str | None:

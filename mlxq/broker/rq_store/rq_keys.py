@@ -53,10 +53,15 @@ def intermediate_first_seen_key(queue: Queue, job_id: str) -> str:
 def registry_keys(queue: str) -> tuple[str, str, str]:
     """(started, finished, failed) registry keys of a queue."""
     return (
-        StartedJobRegistry.key_template.format(queue),
+        started_key(queue),
         finished_key(queue),
         FailedJobRegistry.key_template.format(queue),
     )
+
+
+def started_key(queue: str) -> str:
+    """A queue's started-job registry (execution composite keys scored by expiry)."""
+    return StartedJobRegistry.key_template.format(queue)
 
 
 def finished_key(queue: str) -> str:

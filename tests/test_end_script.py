@@ -1,0 +1,118 @@
+"""Ending finished jobs with one script each leaves Redis as RQ's own objects do (a real
+Valkey): the same keys, fields, registries, expiries and counters, read back by RQ."""
+
+from __future__ import annotations
+
+import base64
+
+import msgspec
+import pytest
+import redis
+from rq.job import Job, JobStatus
+from rq.registry import FinishedJobRegistry, StartedJobRegistry
+from rq.results import Result as RQResult
+
+from mlxq.broker import batches as q
+from mlxq.broker import keys
+from mlxq.broker.intake import dequeue_many, register
+from mlxq.broker.rq_store import end_script, transitions
+from mlxq.broker.serializer import serializer
+from mlxq.wire import Request, Result
+from mlxq.worker.rq_worker import MlxqWorker
+
+
+def _started(conn: redis.Redis, n: int, result_ttl: int = keys.DEFAULT_RESULT_TTL):
+    reqs = [Request(prompt=f"p{i}", max_tokens=4, custom_id=f"c{i}") for i in range(n)]
+    batch = q.submit(conn, reqs, queue="ends", result_ttl=result_ttl).batch_id
+    worker = MlxqWorker(["ends"], connection=conn, runner=None, model_name="m")  # type: ignore[arg-type]
+    worker.register_birth()
+    group = dequeue_many(worker, n)
+    executions = register(worker, group)
+    return batch, worker, [(j, qu, e) for (j, qu), e in zip(group, executions, strict=True)]
+
+
+def _result(job: Job) -> Result:
+    return Result(
+        job_id=job.id, custom_id="c", finish_reason="stop", text="ok", token_ids=[1], worker="w1"
+    )
+
+
+def _state(conn: redis.Redis, job: Job, execution, worker) -> dict:
+    """What Redis holds about one ended job, with its ids and times taken out."""
+    entries = conn.xrange(f"rq:results:{job.id}")
+    (entry_id, fields), *more = entries
+    hash_ = conn.hgetall(job.key)
+    return {
+        "hash fields": sorted(hash_),
+        "status": hash_[b"status"],
+        "mlxq_state": hash_[b"mlxq_state"],
+        "job expires": conn.ttl(job.key),
+        "result entries": 1 + len(more),
+        "result fields": list(fields),
+        "result type": fields[b"type"],
+        "result worker": fields[b"worker_name"],
+        "result execution": fields[b"execution_id"] == execution.id.encode(),
+        "result expires": conn.ttl(f"rq:results:{job.id}"),
+        "finished": job.id in FinishedJobRegistry("ends", connection=conn).get_job_ids(),
+        "still started": conn.zscore(
+            StartedJobRegistry("ends", connection=conn).key, execution.composite_key
+        ),
+        "execution kept": conn.exists(f"rq:execution:{job.id}:{execution.id}"),
+        "executions": conn.zcard(f"rq:executions:{job.id}"),
+        "in worker's executions": conn.sismember(
+            execution.worker_executions_key, execution.composite_key
+        ),
+    }
+
+
+@pytest.mark.parametrize("result_ttl", [keys.DEFAULT_RESULT_TTL, -1])
+def test_a_finished_job_ends_as_rq_ends_it(conn: redis.Redis, result_ttl: int) -> None:
+    batch, worker, ((a, qa, ea), (b, qb, eb)) = _started(conn, 2, result_ttl)
+    with conn.pipeline() as pipe:  # job a through RQ's objects (the transaction's way)
+        transitions.end_job(pipe, a, qa, _result(a), worker=worker, execution=ea)
+        pipe.execute()
+    assert end_script.end_finished(worker, [end_script.Ending(b, qb, eb, _result(b))]) == [True]
+
+    ours, rqs = _state(conn, b, eb, worker), _state(conn, a, ea, worker)
+    assert ours == rqs
+    assert ours["status"] == b"finished" and not ours["still started"]
+    assert ours["result worker"] == b"w1"
+    if result_ttl == -1:
+        assert conn.ttl(f"rq:results:{b.id}") == -1 and conn.ttl(b.key) == -1
+    # RQ and mlxq read it back
+    fetched = Job.fetch(b.id, connection=conn, serializer=serializer)
+    assert fetched.get_status() == JobStatus.FINISHED
+    latest = fetched.latest_result()
+    assert latest is not None and latest.type == RQResult.Type.SUCCESSFUL
+    assert msgspec.convert(latest.return_value, Result) == _result(b)
+    raw = conn.xrange(f"rq:results:{b.id}")[0][1][b"return_value"]
+    assert serializer.loads(base64.b64decode(raw))["text"] == "ok"
+    assert [r.text for r in q.iter_batch_results(conn, batch)] == ["ok", "ok"]
+    status = q.batch_status(conn, batch)
+    assert (status.finished, status.started) == (2, 0), status
+    counts = conn.hgetall(worker.key)
+    assert counts[b"successful_job_count"] == b"2"
+    assert float(counts[b"total_working_time"]) > 0
+    assert eb.id not in worker.executions
+
+
+def test_a_job_another_worker_holds_now_is_left_alone(conn: redis.Redis) -> None:
+    """The held check and the writes are one atomic step: a job whose execution left the
+    started registry (swept and handed on) gets no result from this worker."""
+    batch, worker, ((job, queue, execution),) = _started(conn, 1)
+    conn.zrem(StartedJobRegistry("ends", connection=conn).key, execution.composite_key)
+    before = conn.hgetall(job.key)
+    ending = end_script.Ending(job, queue, execution, _result(job))
+    assert end_script.end_finished(worker, [ending]) == [False]
+    assert conn.hgetall(job.key) == before
+    assert not conn.exists(f"rq:results:{job.id}")
+    assert q.batch_status(conn, batch).started == 1
+
+
+def test_only_finished_jobs_that_keep_their_hash_take_the_script() -> None:
+    job = Job(id="x", connection=redis.Redis())
+    assert end_script.applies(job, Result(job_id="x", custom_id=None, finish_reason="length"))
+    for reason in ("error", "cancelled", "timeout", "expired"):
+        assert not end_script.applies(job, Result(job_id="x", custom_id=None, finish_reason=reason))
+    job.result_ttl = 0  # RQ deletes such a job at once: its own path does that
+    assert not end_script.applies(job, Result(job_id="x", custom_id=None, finish_reason="stop"))
