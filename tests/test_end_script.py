@@ -15,7 +15,7 @@ from rq.results import Result as RQResult
 from mlxq.broker import batches as q
 from mlxq.broker import keys
 from mlxq.broker.intake import dequeue_many, register
-from mlxq.broker.rq_store import end_script, transitions
+from mlxq.broker.rq_store import end_script, rq_keys, transitions
 from mlxq.broker.serializer import serializer
 from mlxq.wire import Request, Result
 from mlxq.worker.rq_worker import MlxqWorker
@@ -39,8 +39,8 @@ def _result(job: Job) -> Result:
 
 def _state(conn: redis.Redis, job: Job, execution, worker) -> dict:
     """What Redis holds about one ended job, with its ids and times taken out."""
-    entries = conn.xrange(f"rq:results:{job.id}")
-    (entry_id, fields), *more = entries
+    entries = conn.xrange(rq_keys.results_key(job.id))
+    (_, fields), *more = entries
     hash_ = conn.hgetall(job.key)
     return {
         "hash fields": sorted(hash_),
@@ -52,13 +52,13 @@ def _state(conn: redis.Redis, job: Job, execution, worker) -> dict:
         "result type": fields[b"type"],
         "result worker": fields[b"worker_name"],
         "result execution": fields[b"execution_id"] == execution.id.encode(),
-        "result expires": conn.ttl(f"rq:results:{job.id}"),
+        "result expires": conn.ttl(rq_keys.results_key(job.id)),
         "finished": job.id in FinishedJobRegistry("ends", connection=conn).get_job_ids(),
         "still started": conn.zscore(
             StartedJobRegistry("ends", connection=conn).key, execution.composite_key
         ),
-        "execution kept": conn.exists(f"rq:execution:{job.id}:{execution.id}"),
-        "executions": conn.zcard(f"rq:executions:{job.id}"),
+        "execution kept": conn.exists(rq_keys.execution_key(job.id, execution.id)),
+        "executions": conn.zcard(rq_keys.executions_key(job.id)),
         "in worker's executions": conn.sismember(
             execution.worker_executions_key, execution.composite_key
         ),
@@ -78,14 +78,14 @@ def test_a_finished_job_ends_as_rq_ends_it(conn: redis.Redis, result_ttl: int) -
     assert ours["status"] == b"finished" and not ours["still started"]
     assert ours["result worker"] == b"w1"
     if result_ttl == -1:
-        assert conn.ttl(f"rq:results:{b.id}") == -1 and conn.ttl(b.key) == -1
+        assert conn.ttl(rq_keys.results_key(b.id)) == -1 and conn.ttl(b.key) == -1
     # RQ and mlxq read it back
     fetched = Job.fetch(b.id, connection=conn, serializer=serializer)
     assert fetched.get_status() == JobStatus.FINISHED
     latest = fetched.latest_result()
     assert latest is not None and latest.type == RQResult.Type.SUCCESSFUL
     assert msgspec.convert(latest.return_value, Result) == _result(b)
-    raw = conn.xrange(f"rq:results:{b.id}")[0][1][b"return_value"]
+    raw = conn.xrange(rq_keys.results_key(b.id))[0][1][b"return_value"]
     assert serializer.loads(base64.b64decode(raw))["text"] == "ok"
     assert [r.text for r in q.iter_batch_results(conn, batch)] == ["ok", "ok"]
     status = q.batch_status(conn, batch)
@@ -105,7 +105,7 @@ def test_a_job_another_worker_holds_now_is_left_alone(conn: redis.Redis) -> None
     ending = end_script.Ending(job, queue, execution, _result(job))
     assert end_script.end_finished(worker, [ending]) == [False]
     assert conn.hgetall(job.key) == before
-    assert not conn.exists(f"rq:results:{job.id}")
+    assert not conn.exists(rq_keys.results_key(job.id))
     assert q.batch_status(conn, batch).started == 1
 
 

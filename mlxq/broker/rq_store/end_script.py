@@ -5,8 +5,8 @@ check that this worker still holds the job, in one atomic step with no WATCH.
 Through RQ's objects a finished job costs about 13 commands, each with its reply to parse
 inside a transaction, and RQ's Python around them: 256 jobs ending in one decode step took
 the worker's thread 34 ms on a 2-core CPU while the device waited; one ``EVALSHA`` a job
-takes 18 ms (half of it the server's own work). Anything else (failures, cancels, a result TTL of 0, which deletes the
-job) still goes through RQ's objects.
+takes 18 ms (half of it the server's own work). Anything else (failures, cancels, a result
+TTL of 0, which deletes the job) still goes through RQ's objects.
 """
 
 from __future__ import annotations
