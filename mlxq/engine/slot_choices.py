@@ -24,6 +24,9 @@
   free slot has a job waiting (:class:`~mlxq.engine.slot_joins.JoinPolicy`): 1 on GPUs,
   where a small call reads every weight as a step does; 0 (at once) on the CPU, where
   holding joins back measured no faster (0.98-1.00x, bench/RESULTS.md);
+- fused projections (``MLXQ_FUSE_PROJECTIONS=1|attention|0``, CUDA only by default): q, k
+  and v (and gate and up) as one matmul each (:mod:`~mlxq.engine.fused_projections`), because a
+  CUDA step's host time is mostly matmul launches;
 - prefill buckets (``MLXQ_PREFILL_BUCKETS``, CUDA only by default): a prefill call's rows
   and length are rounded to a few sizes (:mod:`~mlxq.engine.prefill_shapes`), because each
   new shape first builds its kernels there.
@@ -34,6 +37,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from mlxq.engine import fused_projections
 from mlxq.engine.attention import Kernel, choose_kernel, quantized_kernel
 from mlxq.wire import ModelInfo
 
@@ -66,6 +70,7 @@ class DecodeChoices:
     join_wait: int  # decode steps before a small group joins
     join_cost: float  # a prefill call's fixed cost, in decode steps
     prefill_buckets: bool  # prefill calls padded to a few shapes
+    fused: tuple[str, ...]  # sibling projections run as one matmul: "attention", "mlp"
 
     @classmethod
     def choose(
@@ -94,6 +99,7 @@ class DecodeChoices:
             join_wait=int(env(JOIN_ENV) or JOIN_WAIT),
             join_cost=float(env(JOIN_COST_ENV) or JOIN_COST.get(backend, 0.0)),
             prefill_buckets=env(BUCKETS_ENV, "1" if backend == "cuda" else "0") == "1",
+            fused=fused_projections.wanted(backend),
         )
 
     def describe(self) -> str:
@@ -104,4 +110,5 @@ class DecodeChoices:
             f", small groups join after {self.join_wait} steps (or when their free slots "
             f"idled {self.join_cost:g} steps' worth)"
             f", prefill shapes bucketed: {self.prefill_buckets}"
+            f", projections fused: {', '.join(self.fused) or 'none'}"
         )

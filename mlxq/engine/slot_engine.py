@@ -30,6 +30,7 @@ import mlx.nn as nn
 
 from mlxq.engine import mlx_lm_seam, slot_decode
 from mlxq.engine.constraints import ConstraintHook
+from mlxq.engine.fused_projections import fuse_projections
 from mlxq.engine.hardware import backend_name
 from mlxq.engine.model_facts import model_info
 from mlxq.engine.prefix_cache import make_prefix_cache
@@ -107,6 +108,8 @@ class SlotEngine(Stepping, Joining):
         self._constraints = ConstraintHook.for_model(model, tokenizer)
         self.hooks = [*(hooks or []), self._constraints]
         self.choices = DecodeChoices.choose(backend_name(), self.info, attention, kv_bits)
+        if self.choices.fused:  # (in place: the model's parameters read as before)
+            fuse_projections(model, self.choices.fused)
         self.join_policy = JoinPolicy(
             wait=self.choices.join_wait, idle_budget=self.choices.join_cost * max_batch
         )
