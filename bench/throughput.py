@@ -616,7 +616,11 @@ def main(argv: list[str] | None = None) -> int:
     with server as url:
         variants = {wl.name: _variants(wl, args, scheduler.budget_bytes) for wl in workloads}
 
+        from mlxq.engine.fused_projections import unfuse_projections
+
         def run_one(wl: Workload, mode: str, cache_bytes: int) -> ModeResult:
+            if not mode.startswith("mlxq"):  # mlx-lm's modes run the model as it built it
+                unfuse_projections(model)  # (an mlxq engine fuses it in place on CUDA)
             if mode == "naive":
                 return run_naive(model, tokenizer, wl, args.naive_requests)
             if mode == "batch_generate":

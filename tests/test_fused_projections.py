@@ -64,6 +64,19 @@ def test_fusing_holds_no_weight_twice() -> None:
     assert mx.get_active_memory() <= held + weights // 100, (held, mx.get_active_memory())
 
 
+def test_unfusing_gives_back_plain_linear_layers_and_the_same_logits() -> None:
+    plain, _ = build_model("tiny-qwen2")  # (biases)
+    model, _ = build_model("tiny-qwen2")
+    groups = fuse_projections(model)
+    assert fused_projections.unfuse_projections(model) == 5 * groups // 2  # 3 + 2 a layer
+    attn = model.layers[0].self_attn
+    assert type(attn.q_proj) is nn.Linear and "bias" in attn.q_proj
+    tokens = list(range(5, 30))
+    assert mx.allclose(_logits(model, tokens), _logits(plain, tokens), atol=1e-5, rtol=1e-5)
+    assert fused_projections.unfuse_projections(model) == 0
+    assert fuse_projections(model) == groups  # and fused again
+
+
 def _prefill_peak(model: nn.Module) -> int:
     """Bytes a 16 x 512-token prefill holds at its peak, beyond the model."""
     gc.collect()

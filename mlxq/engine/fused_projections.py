@@ -109,6 +109,28 @@ def fuse_projections(model: nn.Module, groups: tuple[str, ...] = ("attention", "
     return fused
 
 
+def unfuse_projections(model: nn.Module) -> int:
+    """Give ``model`` back plain ``nn.Linear`` projections (their weights stay views of
+    the fused ones: no copy), e.g. to run it as mlx-lm built it; returns how many."""
+    restored = 0
+    for _, module in model.named_modules():
+        for name, child in list(module.children().items()):
+            if isinstance(child, Part):
+                module[name] = _linear(child.weight, child.get("bias"))
+                restored += 1
+    return restored
+
+
+def _linear(weight: mx.array, bias: mx.array | None) -> nn.Linear:
+    """An ``nn.Linear`` holding these arrays (no random initialization to throw away)."""
+    layer = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(layer)
+    layer.weight = weight
+    if bias is not None:
+        layer.bias = bias
+    return layer
+
+
 def _fusable(layers: list[object]) -> bool:
     """Plain linear layers (not LoRA, not quantized) of one input size and dtype, all with
     a bias or all without."""
