@@ -226,6 +226,24 @@ def test_the_compiled_forward_takes_lazily_built_model_arrays_as_constants() -> 
     assert not [p for p in primitives if "Power" in p], primitives
 
 
+@pytest.mark.parametrize("compiled", ["1", "0"])
+def test_steady_steps_feed_the_last_tokens_as_they_are(
+    tiny, monkeypatch: pytest.MonkeyPatch, compiled: str
+) -> None:
+    """A step over the same rows as the last one takes its sampled tokens as inputs,
+    without gathering them slot by slot (host work and kernels on every step)."""
+    monkeypatch.setenv(slot_choices.COMPILE_ENV, compiled)
+    gathered = []
+    real = slot_decode._gathered_inputs
+    monkeypatch.setattr(slot_decode, "_gathered_inputs", lambda *a: gathered.append(1) or real(*a))
+    model, tokenizer = tiny
+    engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=4, prefill_batch=4)
+    jobs = {str(i): Request(prompt=[5 + i, 6, 7], max_tokens=10) for i in range(4)}
+    done = run_all(engine, jobs)
+    assert all(len(c.token_ids) == 10 or c.finish_reason == "stop" for c in done.values())
+    assert engine.stats().decode_steps >= 9 and len(gathered) <= 2
+
+
 @pytest.fixture(scope="module")
 def wide_heads(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
     from mlxq.engine.make_model import make_model

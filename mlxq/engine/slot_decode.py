@@ -143,18 +143,14 @@ def run_forward(
     compiled over every slot. Advances each row's cache length by one.
     """
     width = cache.slots if forward is not None else rows[-1].slot + 1
-    by_slot: list[Row | None] = [None] * width
-    for r in rows:
-        by_slot[r.slot] = r
-    lengths = [0 if r is None else cache.lengths[r.slot] for r in by_slot]
-    cache.reserve(max(lengths) + 1)
-    inputs = mx.array([0 if r is None else r.next_input for r in by_slot])
-    if prev is not None:
-        at = prev.position()
-        carried = [r is not None and r.slot in at and prev.rows[at[r.slot]] is r for r in by_slot]
-        if any(carried):
-            idx = mx.array([at[s] if c else 0 for s, c in enumerate(carried)])
-            inputs = mx.where(mx.array(carried), prev.sampled[idx], inputs)
+    if prev is not None and len(rows) == width and prev.rows == rows:
+        # The usual step: the same rows as the last one, filling slots 0..width-1 (rows
+        # are in slot order), so its sampled tokens are the inputs as they are.
+        lengths = [cache.lengths[r.slot] for r in rows]
+        cache.reserve(max(lengths) + 1)
+        inputs = prev.sampled
+    else:
+        lengths, inputs = _gathered_inputs(cache, rows, prev, width)
     if forward is not None:
         logits = forward(inputs, mx.array(lengths))
     else:
@@ -166,6 +162,27 @@ def run_forward(
     if len(rows) < width:
         logits = logits[mx.array([r.slot for r in rows])]
     return logits
+
+
+def _gathered_inputs(
+    cache: SlotCache, rows: list[Row], prev: Step | None, width: int
+) -> tuple[list[int], mx.array]:
+    """Each slot's length and input token (a free slot's: 0 and 0); a row carried over
+    from ``prev`` takes its token there, on the device. Token ids as ``uint32``, what
+    sampling gives, so a compiled forward sees one input type."""
+    by_slot: list[Row | None] = [None] * width
+    for r in rows:
+        by_slot[r.slot] = r
+    lengths = [0 if r is None else cache.lengths[r.slot] for r in by_slot]
+    cache.reserve(max(lengths) + 1)
+    inputs = mx.array([0 if r is None else r.next_input for r in by_slot], dtype=mx.uint32)
+    if prev is not None:
+        at = prev.position()
+        carried = [r is not None and r.slot in at and prev.rows[at[r.slot]] is r for r in by_slot]
+        if any(carried):
+            idx = mx.array([at[s] if c else 0 for s, c in enumerate(carried)])
+            inputs = mx.where(mx.array(carried), prev.sampled[idx], inputs)
+    return lengths, inputs
 
 
 def sample_step(rows: list[Row], logits: mx.array, hooks: list[BatchLogitsHook]) -> Step:
