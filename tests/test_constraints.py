@@ -362,6 +362,10 @@ def test_batch_hook_masks_only_its_rows_and_follows_their_tokens(tiny):
     assert not batch.failures
     batch.drop("a")
     assert "a" not in batch.jobs
+    # a token its grammar does not allow fails that row alone
+    letter = next(t for t in range(vocab) if tokenizer.decode([t]) == "x")
+    batch.accept(["c", "b"], [letter, letter])
+    assert list(batch.failures) == ["c"] and "the constraint failed" in batch.failures["c"]
 
 
 def test_masks_prepared_for_a_step_stay_as_they_were_after_the_next_fill(tiny):
