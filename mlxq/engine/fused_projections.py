@@ -4,7 +4,8 @@ and up.
 On CUDA a decode step is host-bound, and each matmul is a cuBLAS call that costs the host
 about 18 us to launch against about 5 us for another kernel (H200 host, MLX 0.32.4: 50
 matmuls of a 256-row batch took 0.8-1.0 ms to launch). A Llama 3.2 1B step launches 145
-of them; fusing the siblings removes 48 (three of nine per layer).
+of them; fusing the siblings removes 48 (three of nine per layer): its launch took 3.97
+against 5.28 ms, and the uniform 256 x (128+128) run 1.09-1.13x the gen tok/s.
 
 mlx-lm's model code stays as it is: it calls ``self.q_proj(x)``, ``self.k_proj(x)`` and
 ``self.v_proj(x)`` in turn. Each of those modules becomes a :class:`Part` of one
@@ -15,8 +16,8 @@ is held twice. Only inputs of decode size are fused: a prefill's rows (more than
 :data:`MAX_ROWS`) keep a matmul per part, because a launch is nothing beside a prefill's
 compute, while parts of one output keep each other alive where separate outputs could be
 reused in place (a 16 x 512-token prefill peaked 29% higher fused, on the CPU). Only plain
-``nn.Linear`` siblings of one input size, all with or all without
-a bias, are fused: LoRA and quantized layers stay as they are.
+``nn.Linear`` siblings of one input size, all with or all without a bias, are fused: LoRA
+and quantized layers stay as they are.
 """
 
 from __future__ import annotations
