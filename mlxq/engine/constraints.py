@@ -291,6 +291,10 @@ class ConstraintHook:
         """Whether the job is constrained (or its constraint failed)."""
         return key in self.batch.jobs or key in self.batch.failures
 
+    def holds_any(self) -> bool:
+        """Whether any job is constrained (or its constraint failed): else none is held."""
+        return bool(self.batch.jobs or self.batch.failures)
+
     def check(self, request: Any) -> str | None:
         """Why this request's ``response_format`` cannot run here, or None (compiles it)."""
         try:

@@ -149,15 +149,17 @@ class Stepping:
             if len(r.run.tokens) + (id(r) in pending) < r.run.job.request.max_tokens
         ]
 
-    def _hand_tokens(self, step: Step) -> tuple[list[int] | None, list[Completion]]:
+    def _hand_tokens(
+        self, step: Step, live: list[tuple[int, Row]] | None = None
+    ) -> tuple[list[int] | None, list[Completion]]:
         """The step's sampled tokens on the host, handed to the hooks for the rows still
-        decoding; or None and the batch failed."""
+        decoding (``live``, if known); or None and the batch failed."""
         try:
             tokens = step.sampled.tolist()
         except Exception as exc:
             self._inflight = None
             return None, self._fail_batch(exc)
-        live = self._live(step.rows)
+        live = self._live(step.rows) if live is None else live
         keys = [r.run.job.key for _, r in live]
         for hook in self.hooks:
             hook.accept(keys, [tokens[i] for i, _ in live])
@@ -172,14 +174,16 @@ class Stepping:
         ``tokens``): record them, finish rows that ended. Free rows first: only
         constrained rows wait for their matchers' advance (on the hook's helper thread),
         which may have failed them."""
+        live = self._live(step.rows)
         if tokens is None:
-            tokens, lost = self._hand_tokens(step)
+            tokens, lost = self._hand_tokens(step, live)
             if tokens is None:
                 return lost
-        free: list[tuple[int, Row]] = []
-        held: list[tuple[int, Row]] = []
-        for i, r in self._live(step.rows):
-            (held if self._constraints.holds(r.run.job.key) else free).append((i, r))
+        free, held = live, []
+        if self._constraints.holds_any():
+            free = []
+            for i, r in live:
+                (held if self._constraints.holds(r.run.job.key) else free).append((i, r))
         done = self._record(step, tokens, free)
         if held:
             failed = self._constraints.failures()
