@@ -7,15 +7,14 @@ check only ever decodes JSON (never pickle).
 from __future__ import annotations
 
 import msgspec
-import redis
 from rq.exceptions import DeserializationError
 from rq.executions import Execution
 from rq.job import Job
 from rq.queue import Queue
-from rq.worker import BaseWorker, WorkerStatus
+from rq.worker import BaseWorker
 
 from mlxq.broker import keys
-from mlxq.broker.rq_store import internals, transitions
+from mlxq.broker.rq_store import internals, start_script
 from mlxq.wire import Request
 
 
@@ -49,44 +48,14 @@ def dequeue_many(worker: BaseWorker, n: int) -> list[tuple[Job, Queue]]:
 
 
 def register(worker: BaseWorker, group: list[tuple[Job, Queue]]) -> list[Execution | None]:
-    """Register jobs as this worker's RQ executions (status ``started``), in one transaction.
+    """Register jobs as this worker's RQ executions (status ``started``), atomically
+    (:mod:`~mlxq.broker.rq_store.start_script`).
 
     None for a job that is no longer waiting for this worker: cancelled meanwhile, or found
     stranded by a sweeper (this worker took too long between dequeue and now) and put back
     on its queue, where another worker may already have it.
     """
-    with worker.connection.pipeline() as pipe:
-        while True:
-            pipe.watch(*[job.key for job, _ in group])
-            held = _still_waiting(worker.connection, group)
-            pipe.multi()
-            worker.set_state(WorkerStatus.BUSY, pipeline=pipe)
-            kept = [g for g, ok in zip(group, held, strict=True) if ok]
-            executions = transitions.start_jobs(pipe, worker, kept)
-            worker.heartbeat(worker.job_monitoring_interval + 60, pipeline=pipe)
-            try:
-                pipe.execute()
-            except redis.WatchError:  # a sweeper (or a cancel) touched one: look again
-                for execution in executions:
-                    worker.executions.pop(execution.id, None)
-                pipe.reset()
-                continue
-            mine = iter(executions)
-            return [next(mine) if ok else None for ok in held]
-
-
-def _still_waiting(conn: redis.Redis, group: list[tuple[Job, Queue]]) -> list[bool]:
-    """Whether each job is still queued and its id still in its queue's intermediate queue
-    (one round trip)."""
-    with conn.pipeline(transaction=False) as pipe:
-        for job, queue in group:
-            pipe.lpos(queue.intermediate_queue_key, job.id)
-            pipe.hget(job.key, "status")
-        replies = pipe.execute()
-    return [
-        pos is not None and status == b"queued"
-        for pos, status in zip(replies[::2], replies[1::2], strict=True)
-    ]
+    return start_script.start_jobs(worker, group)
 
 
 def decode_job(job: Job) -> Request:

@@ -152,26 +152,6 @@ def put_back(pipe: Any, worker: BaseWorker, job: Job, queue: Queue, execution: E
     pipe.lpush(queue.key, job.id)
 
 
-def start_jobs(pipe: Any, worker: BaseWorker, group: list[tuple[Job, Queue]]) -> list[Execution]:
-    """Queue in ``pipe`` RQ's prepare_execution + prepare_job_execution for many jobs.
-
-    (RQ's own version also reads ``job.func_name`` for the process title, which would
-    deserialize a hostile payload before it has been vetted.)
-    """
-    executions = []
-    for job, queue in group:
-        ttl = worker.get_heartbeat_ttl(job)
-        execution = Execution.create(job, ttl, pipeline=pipe, worker_name=worker.name)
-        worker.executions[execution.id] = execution
-        executions.append(execution)
-        move(pipe, job.id, batch_of(job), "started")
-        job.prepare_for_execution(worker.name, pipeline=pipe)  # sets last_heartbeat too
-        pipe.persist(job.key)
-        pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-        pipe.delete(keys.stranded(job.id))
-    return executions
-
-
 def drop_execution(pipe: Any, registry_key: str, member: str, job_id: str, execution_id: str):
     """Queue in ``pipe`` forgetting a dead worker's execution of a job."""
     pipe.zrem(registry_key, member)

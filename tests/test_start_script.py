@@ -1,0 +1,107 @@
+"""Starting jobs with one script each leaves Redis as RQ's own objects do (a real Valkey):
+the same keys, fields, registries, expiries and counters; a job that stopped waiting is
+not started."""
+
+from __future__ import annotations
+
+import redis
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.registry import StartedJobRegistry
+
+from mlxq.broker import batches as q
+from mlxq.broker import keys
+from mlxq.broker.intake import dequeue_many, register
+from mlxq.broker.rq_store import rq_keys, start_script
+from mlxq.broker.rq_store.counters import batch_of, move
+from mlxq.broker.serializer import serializer
+from mlxq.wire import Request
+from mlxq.worker.rq_worker import MlxqWorker
+
+
+def _dequeued(conn: redis.Redis, n: int):
+    reqs = [Request(prompt=f"p{i}", max_tokens=4) for i in range(n)]
+    batch = q.submit(conn, reqs, queue="starts").batch_id
+    worker = MlxqWorker(["starts"], connection=conn, runner=None, model_name="m")  # type: ignore[arg-type]
+    worker.register_birth()
+    return batch, worker, dequeue_many(worker, n)
+
+
+def _start_through_rq(worker: MlxqWorker, job: Job, queue) -> Execution:
+    """What RQ's objects write to start a job (the path the script replaces)."""
+    with worker.connection.pipeline() as pipe:
+        ttl = worker.get_heartbeat_ttl(job)
+        execution = Execution.create(job, ttl, pipeline=pipe, worker_name=worker.name)
+        move(pipe, job.id, batch_of(job), "started")
+        job.prepare_for_execution(worker.name, pipeline=pipe)
+        pipe.persist(job.key)
+        pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+        pipe.delete(keys.stranded(job.id))
+        pipe.execute()
+    return execution
+
+
+def _state(conn: redis.Redis, job: Job, queue, execution: Execution) -> dict:
+    """What Redis holds about one started job, with its ids and times taken out."""
+    hash_ = conn.hgetall(job.key)
+    started = StartedJobRegistry("starts", connection=conn).key
+    exec_key = rq_keys.execution_key(job.id, execution.id)
+    score = conn.zscore(started, execution.composite_key)
+    return {
+        "hash fields": sorted(hash_),
+        "status": hash_[b"status"],
+        "mlxq_state": hash_[b"mlxq_state"],
+        "worker": hash_[b"worker_name"],
+        "started_at is last_heartbeat": hash_[b"started_at"] == hash_[b"last_heartbeat"],
+        "job ttl": conn.ttl(job.key),
+        "execution fields": sorted(conn.hgetall(exec_key)),
+        "execution expires": conn.ttl(exec_key) > 0,
+        "executions": conn.zcard(rq_keys.executions_key(job.id)),
+        "executions expire": conn.ttl(rq_keys.executions_key(job.id)) > 0,
+        "started score": round(score - conn.time()[0]) if score is not None else None,
+        "in worker's executions": conn.sismember(
+            execution.worker_executions_key, execution.composite_key
+        ),
+        "still intermediate": conn.lpos(queue.intermediate_queue_key, job.id),
+    }
+
+
+def test_a_job_starts_as_rq_starts_it(conn: redis.Redis) -> None:
+    batch, worker, ((a, qa), (b, qb)) = _dequeued(conn, 2)
+    for job in (a, b):  # (a job with an expiry, as RQ's enqueue ttl gives: started, it keeps)
+        conn.expire(job.key, 1000)
+    ea = _start_through_rq(worker, a, qa)
+    (eb,) = start_script.start_jobs(worker, [(b, qb)])
+    assert eb is not None and eb.id in worker.executions
+    ours, rqs = _state(conn, b, qb, eb), _state(conn, a, qa, ea)
+    assert ours == rqs
+    assert ours["status"] == b"started" and ours["job ttl"] == -1
+    assert abs(ours["started score"] - worker.get_heartbeat_ttl(b)) <= 1
+    # the Python job as RQ leaves it, and RQ reads it back
+    assert b.get_status(refresh=False) == JobStatus.STARTED and b.worker_name == worker.name
+    assert b.started_at is not None and b.started_at == b.last_heartbeat
+    fetched = Job.fetch(b.id, connection=conn, serializer=serializer)
+    assert fetched.get_status() == JobStatus.STARTED
+    assert fetched.worker_name == worker.name
+    registry = StartedJobRegistry("starts", connection=conn)
+    assert set(registry.get_job_ids()) == {a.id, b.id}
+    assert conn.hget(worker.key, "state") == b"busy"
+    status = q.batch_status(conn, batch)
+    assert (status.queued, status.started) == (0, 2), status
+
+
+def test_a_job_that_stopped_waiting_is_not_started(conn: redis.Redis) -> None:
+    """Cancelled, or taken out of the intermediate queue by a sweeper: left as it is, while
+    the rest of the group starts."""
+    batch, worker, group = _dequeued(conn, 3)
+    (cancelled, _), (swept, queue), _ = group
+    conn.hset(cancelled.key, "status", "canceled")
+    conn.lrem(queue.intermediate_queue_key, 1, swept.id)
+    before = [conn.hgetall(job.key) for job in (cancelled, swept)]
+    executions = register(worker, group)
+    assert executions[0] is None and executions[1] is None and executions[2] is not None
+    assert [conn.hgetall(job.key) for job in (cancelled, swept)] == before
+    for job in (cancelled, swept):
+        assert not conn.exists(rq_keys.executions_key(job.id))
+    assert list(worker.executions) == [executions[2].id]
+    assert q.batch_status(conn, batch).started == 1
