@@ -34,6 +34,15 @@ return 1
 _MOVE = move_lua()
 
 
+def move_step_lua(job: str, counts: str, bucket: str, when: str) -> str:
+    """:func:`move_lua` as one step of a longer script, run if the Lua expression ``when``
+    holds (its early returns end the step, not the script)."""
+    return (
+        f"if {when} then\n  local function move()\n{move_lua(job, counts, bucket)}"
+        "  end\n  move()\nend\n"
+    )
+
+
 def batch_of(job: Job) -> str | None:
     """The mlxq batch a job belongs to (None for jobs pushed into RQ by other means)."""
     meta = job.meta if isinstance(job.meta, dict) else {}

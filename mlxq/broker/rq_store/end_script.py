@@ -26,7 +26,7 @@ from rq.utils import now, utcformat
 from rq.worker import BaseWorker
 
 from mlxq.broker import keys
-from mlxq.broker.rq_store.counters import batch_of, move_lua
+from mlxq.broker.rq_store.counters import batch_of, move_step_lua
 from mlxq.broker.rq_store.rq_keys import (
     execution_key,
     executions_key,
@@ -49,14 +49,9 @@ from mlxq.wire import Result
 _END = (
     """
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
-if ARGV[7] == '1' then
-  local function move()
 """
-    + move_lua(job="KEYS[2]", counts="KEYS[10]", bucket="'finished'")
+    + move_step_lua("KEYS[2]", "KEYS[10]", "'finished'", when="ARGV[7] == '1'")
     + """
-  end
-  move()
-end
 redis.call('HSET', KEYS[2], 'status', 'finished', 'ended_at', ARGV[4])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', 10, '*', unpack(ARGV, 9))
 local ttl = tonumber(ARGV[5])

@@ -22,7 +22,7 @@ from rq.utils import current_timestamp, utcformat
 from rq.worker import BaseWorker, WorkerStatus
 
 from mlxq.broker import keys
-from mlxq.broker.rq_store.counters import batch_of, move_lua
+from mlxq.broker.rq_store.counters import batch_of, move_step_lua
 from mlxq.broker.rq_store.rq_keys import execution_key, executions_key, job_key, started_key
 
 # KEYS: 1 job hash, 2 the queue's intermediate list, 3 execution, 4 the job's executions,
@@ -46,14 +46,9 @@ if ARGV[5] ~= '' then
   redis.call('SADD', KEYS[6], ARGV[3])
   redis.call('EXPIRE', KEYS[6], ttl + 60)
 end
-if ARGV[10] == '1' then
-  local function move()
 """
-    + move_lua(job="KEYS[1]", counts="KEYS[8]", bucket="'started'")
+    + move_step_lua("KEYS[1]", "KEYS[8]", "'started'", when="ARGV[10] == '1'")
     + """
-  end
-  move()
-end
 redis.call('HSET', KEYS[1], 'last_heartbeat', ARGV[9], 'status', 'started',
            'started_at', ARGV[9], 'worker_name', ARGV[5])
 redis.call('PERSIST', KEYS[1])
