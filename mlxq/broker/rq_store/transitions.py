@@ -1,5 +1,7 @@
-"""How a job moves from one RQ state to another when a worker (or a sweeper) starts it, ends
-it, retries it or puts it back: each write in one transaction with its batch counter."""
+"""How a job moves from one RQ state to another when a worker (or a sweeper) ends it, retries
+it or puts it back: each write in one transaction with its batch counter. (Starting jobs,
+and ending finished ones, are one server-side script each: ``start_script``,
+``end_script``.)"""
 
 from __future__ import annotations
 
