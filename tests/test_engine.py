@@ -289,6 +289,19 @@ def test_duplicate_key_is_refused(engine: Engine) -> None:
     engine.add(EngineJob("k", Request(prompt=[1, 2])))
     with pytest.raises(ValueError, match="already"):
         engine.add(EngineJob("k", Request(prompt=[1, 2])))
+    engine.step()  # k joins the batch: still refused
+    with pytest.raises(ValueError, match="already"):
+        engine.add(EngineJob("k", Request(prompt=[1, 2])))
+    engine.add(EngineJob("w", Request(prompt=[1, 2])))
+    assert engine.cancel("w") is not None and engine.cancel("k") is not None
+    # a key whose job was cancelled, waiting or decoding, can come back (a retry)
+    engine.add(EngineJob("w", Request(prompt=[1, 2], max_tokens=2)))
+    engine.add(EngineJob("k", Request(prompt=[1, 2], max_tokens=2)))
+    done = {}
+    while engine.active:
+        done.update((c.key, c) for c in engine.step())
+    assert set(done) == {"w", "k"}
+    engine.add(EngineJob("k", Request(prompt=[1, 2])))  # and once it finished
 
 
 def test_cancel(tiny, engine: Engine) -> None:

@@ -119,6 +119,7 @@ class SlotEngine(Stepping, Joining):
         self._rows: dict[int, Row] = {}  # by slot
         self._keys: dict[str, int] = {}  # job key -> slot
         self._waiting: list[Waiting] = []
+        self._waiting_keys: set[str] = set()  # (their keys: a duplicate check in O(1))
         self._chunks: list[StreamChunk] = []
         self._prefix = make_prefix_cache(model, self.info, prefix_cache_bytes)
         self._stats = EngineStats()
@@ -170,7 +171,7 @@ class SlotEngine(Stepping, Joining):
 
         Raises ``ValueError`` if a job with the same key is already in the engine.
         """
-        if job.key in self._keys or any(w.run.job.key == job.key for w in self._waiting):
+        if job.key in self._keys or job.key in self._waiting_keys:
             raise ValueError(f"job {job.key} is already in the engine")
         now = time.time()
         try:
@@ -185,6 +186,7 @@ class SlotEngine(Stepping, Joining):
         if self._prefix is not None:
             self._prefix.observe(tokens)
         self._waiting.append(Waiting(run, since_step=self._steps))
+        self._waiting_keys.add(job.key)
         return None
 
     def cancel(self, key: str) -> Completion | None:
@@ -192,6 +194,7 @@ class SlotEngine(Stepping, Joining):
         for w in self._waiting:
             if w.run.job.key == key:
                 self._waiting.remove(w)
+                self._waiting_keys.discard(key)
                 if w.plan is not None:
                     w.plan.release()
                 return w.run.completion("cancelled", "")
@@ -207,6 +210,7 @@ class SlotEngine(Stepping, Joining):
         self._rows.clear()
         self._keys.clear()
         self._waiting.clear()
+        self._waiting_keys.clear()
         self._inflight = None
         if self._prefix is not None:
             self._prefix.clear()

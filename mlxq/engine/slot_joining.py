@@ -37,6 +37,7 @@ class Joining:
     _prefix: Any
     _stats: Any
     _waiting: list[Waiting]
+    _waiting_keys: set[str]
     _rows: dict[int, Row]
     _keys: dict[str, int]
     _inflight: Any
@@ -56,6 +57,7 @@ class Joining:
             limit = group_rows(min(limit, len(self._waiting)))
         tokens, step = self.prefill_tokens, self.prefill_step
         group = pick_group(self._waiting, limit, self._prefix, tokens, step)
+        self._waiting_keys.difference_update(w.run.job.key for w in group)
         return self._prefill(group) if group else []
 
     def _prefill(self, group: list[Waiting]) -> list[Completion]:
