@@ -23,6 +23,7 @@ and quantized layers stay as they are.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,10 +45,8 @@ class Fused:
         self.weight = mx.concatenate([layer.weight for layer in layers])
         has_bias = "bias" in layers[0]
         self.bias = mx.concatenate([layer.bias for layer in layers]) if has_bias else None
-        sizes = [layer.weight.shape[0] for layer in layers]
-        self.bounds = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
-        self.starts = [0, *self.bounds]
-        self.sizes = sizes
+        self.sizes = [layer.weight.shape[0] for layer in layers]
+        self.starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
         self._x: mx.array | None = None
         self._outs: list[mx.array] = []
         self._taken: set[int] = set()
@@ -56,9 +55,8 @@ class Fused:
         """Part ``part``'s projection of ``x``: all parts are computed at its first call
         with this ``x`` (a part asked twice, or another input, computes them again)."""
         if x is not self._x or part in self._taken:
-            w = self.weight.T
-            y = x @ w if self.bias is None else mx.addmm(self.bias, x, w)
-            self._x, self._outs, self._taken = x, mx.split(y, self.bounds, axis=-1), set()
+            y = _project(x, self.weight, self.bias)
+            self._x, self._outs, self._taken = x, mx.split(y, self.starts[1:], axis=-1), set()
         self._taken.add(part)
         out = self._outs[part]
         if len(self._taken) == len(self._outs):  # every part has its own: let x go
@@ -79,9 +77,13 @@ class Part(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         if x.size // x.shape[-1] > MAX_ROWS:  # a prefill: its own matmul (module docstring)
-            w = self.weight.T
-            return x @ w if "bias" not in self else mx.addmm(self.bias, x, w)
+            return _project(x, self.weight, self.get("bias"))
         return self._group.take(self._index, x)
+
+
+def _project(x: mx.array, weight: mx.array, bias: mx.array | None) -> mx.array:
+    """``x @ weight^T (+ bias)``, as ``nn.Linear`` computes it."""
+    return x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
 
 
 def wanted(backend: str) -> tuple[str, ...]:
@@ -101,7 +103,7 @@ def fuse_projections(model: nn.Module, groups: tuple[str, ...] = ("attention", "
         for names in (SIBLINGS[g] for g in groups):
             layers = [module.get(name) for name in names]
             if _fusable(layers):
-                group = Fused(layers)  # type: ignore[arg-type]
+                group = Fused(layers)
                 for i, name in enumerate(names):
                     module[name] = Part(group, i)
                 # The views share the fused buffer once computed; the old weights go.
@@ -132,16 +134,14 @@ def _linear(weight: mx.array, bias: mx.array | None) -> nn.Linear:
     return layer
 
 
-def _fusable(layers: list[object]) -> bool:
+def _fusable(layers: list[Any]) -> bool:
     """Plain linear layers (not LoRA, not quantized) of one input size and dtype, all with
     a bias or all without."""
     if not all(type(layer) is nn.Linear for layer in layers):
         return False
     first = layers[0]
-    assert isinstance(first, nn.Linear)
     return all(
-        isinstance(layer, nn.Linear)
-        and layer.weight.shape[1] == first.weight.shape[1]
+        layer.weight.shape[1] == first.weight.shape[1]
         and layer.weight.dtype == first.weight.dtype
         and ("bias" in layer) == ("bias" in first)
         for layer in layers

@@ -58,11 +58,13 @@ def write_results(worker: BaseWorker, done: list[tuple[InFlight, Result]]) -> li
     Finished jobs (most) end through :mod:`~mlxq.broker.rq_store.end_script`, one script
     call each; the others through RQ's objects, in one transaction.
     """
-    fast = [(inf, r) for inf, r in done if end_script.applies(inf.job, r)]
+    fast: list[tuple[InFlight, Result]] = []
+    rest: list[tuple[InFlight, Result]] = []
+    for inf, r in done:
+        (fast if end_script.applies(inf.job, r) else rest).append((inf, r))
     endings = [end_script.Ending(inf.job, inf.queue, inf.execution, r) for inf, r in fast]
     held = end_script.end_finished(worker, endings)
     lost = [inf for (inf, _), ok in zip(fast, held, strict=True) if not ok]
-    rest = [(inf, r) for inf, r in done if not end_script.applies(inf.job, r)]
     return lost + _write_through_rq(worker, rest)
 
 
