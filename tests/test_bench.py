@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,18 @@ def test_throughput_runs_a_varied_workload_and_its_twin(valkey_url: str, tmp_pat
     assert "!" not in out.stdout  # every mode returned every token
     lines = (tmp_path / "varied.jsonl").read_text().splitlines()
     assert len(lines) == 6 and '"custom_id": "r0"' in lines[0]
+
+
+def test_constraints_runs_its_modes_alternating_and_interleaved(tmp_path: Path) -> None:
+    figures = tmp_path / "constraints.json"
+    run_script(
+        "bench/constraints.py",
+        *("--preset", "tiny", "--batches", "4", "--repeat", "1", "--interleave", "3"),
+        *("--max-tokens", "24", "--json", str(figures)),
+    )
+    (row,) = json.loads(figures.read_text())["rows"]
+    assert row["interleaved"]["free_s"] > 0 and row["interleaved"]["json_s"] > 0
+    assert row["interleaved"]["json_per_free"] > 0 and row["json"]["tok_s"] > 0
 
 
 def test_context_per_token_counts_the_positions_each_token_attends() -> None:
