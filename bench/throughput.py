@@ -22,30 +22,31 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
 import inspect
 import json
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from common import (
-    BENCH_RESULT_TTL,
     Stopwatch,
-    bench_queue,
     describe_device,
-    drop_batch,
     fmt_num,
     fmt_ratio,
     quiet_logs,
-    rate,
     redis_url,
     table,
     use_openblas,
-    work_burst,
     write_json,
+)
+from modes import (
+    ModeResult,
+    fresh_memory,
+    median_run,
+    run_batch_generate,
+    run_mlxq,
+    run_naive,
+    run_raw,
 )
 from workloads import SEED, WORKLOADS, Workload, context_per_token, make_workload, step_bound
 
@@ -103,235 +104,6 @@ def token_pool(tokenizer: Any, vocab_size: int) -> list[int]:
     special = set(getattr(tokenizer, "all_special_ids", None) or [])
     special |= set(tokenizer.eos_token_ids)
     return [i for i in range(min(len(tokenizer), vocab_size)) if i not in special]
-
-
-# -- results -----------------------------------------------------------------------------
-@dataclass
-class ModeResult:
-    """One mode's figures on one workload."""
-
-    mode: str
-    wall_s: float
-    gen_tokens: int  # generated tokens counted (naive: of the timed requests only)
-    prompt_tokens: int
-    prompt_tps: float | None
-    peak_gb: float | None = None
-    timed_requests: int | None = None  # naive: requests actually run, when extrapolated
-    expected_gen_tokens: int = 0
-    errors: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def extrapolated(self) -> bool:
-        return self.timed_requests is not None
-
-    @property
-    def gen_tps(self) -> float | None:
-        total = self.expected_gen_tokens if self.extrapolated else self.gen_tokens
-        return rate(total, self.wall_s)
-
-
-def _peak_gb() -> float | None:
-    import mlx.core as mx
-
-    try:
-        return mx.get_peak_memory() / 1e9
-    except Exception:  # not every backend reports it
-        return None
-
-
-def _fresh() -> None:
-    """Release what the previous mode left: cached buffers and the peak-memory mark."""
-    import mlx.core as mx
-
-    gc.collect()
-    mx.clear_cache()
-    mx.reset_peak_memory()
-
-
-# -- modes -------------------------------------------------------------------------------
-def run_naive(model: Any, tokenizer: Any, wl: Workload, limit: int) -> ModeResult:
-    """One request at a time; with ``limit`` only the first requests, then extrapolate.
-
-    The estimate for all requests is prompt tokens at the measured prefill rate plus
-    generated tokens at the measured decode rate (both from the timed requests).
-    """
-    from mlx_lm import stream_generate
-
-    n = len(wl.prompts)
-    k = n if limit <= 0 else min(limit, n)
-    prefill_s = decode_s = 0.0
-    gen = prompt = 0
-    clock = Stopwatch()
-    for tokens, max_tokens in zip(wl.prompts[:k], wl.max_tokens[:k], strict=True):
-        t0 = time.perf_counter()
-        last = None
-        for response in stream_generate(model, tokenizer, tokens, max_tokens=max_tokens):
-            last = response
-        assert last is not None
-        seconds = time.perf_counter() - t0
-        p_s = last.prompt_tokens / last.prompt_tps  # prefill + first token
-        prefill_s, decode_s = prefill_s + p_s, decode_s + seconds - p_s
-        gen, prompt = gen + last.generation_tokens, prompt + last.prompt_tokens
-    wall = clock.stop()
-    result = ModeResult("naive", wall, gen, prompt, rate(prompt, prefill_s), _peak_gb())
-    result.expected_gen_tokens = wl.gen_tokens
-    if k < n:
-        result.timed_requests = k
-        result.extra = {"timed_wall_s": wall, "timed_gen_tokens": gen}
-        per_prompt = prefill_s / prompt if prompt else 0.0
-        per_gen = decode_s / gen if gen else 0.0
-        result.wall_s = wl.prompt_tokens * per_prompt + wl.gen_tokens * per_gen
-        result.prompt_tokens = wl.prompt_tokens
-    return result
-
-
-def run_batch_generate(model: Any, tokenizer: Any, wl: Workload) -> ModeResult:
-    """``mlx_lm.batch_generate`` with its default batch sizes."""
-    from mlx_lm import batch_generate
-
-    clock = Stopwatch()
-    out = batch_generate(
-        model, tokenizer, wl.prompts, max_tokens=list(wl.max_tokens), return_token_ids=True
-    )
-    wall = clock.stop()
-    gen = sum(len(t) for t in out.token_ids or [])
-    result = ModeResult("batch_generate", wall, gen, wl.prompt_tokens, out.stats.prompt_tps)
-    result.peak_gb, result.expected_gen_tokens = _peak_gb(), wl.gen_tokens
-    return result
-
-
-def run_raw(model: Any, wl: Workload, batch: int, prefill_batch: int, prefill_step: int):
-    """``BatchGenerator`` at mlxq's sizes: all requests inserted up front, drained."""
-    from mlx_lm.generate import BatchGenerator
-    from mlx_lm.sample_utils import greedy_sampler
-
-    gen = BatchGenerator(
-        model,
-        stop_tokens=None,
-        sampler=greedy_sampler,
-        completion_batch_size=batch,
-        prefill_batch_size=prefill_batch,
-        prefill_step_size=prefill_step,
-    )
-    n, finished, tokens = len(wl.prompts), 0, 0
-    try:
-        clock = Stopwatch()
-        with gen.stats() as stats:
-            gen.insert(wl.prompts, list(wl.max_tokens))
-            while finished < n:
-                prompt_responses, responses = gen.next()
-                if not prompt_responses and not responses:
-                    break  # nothing left to do (should not happen)
-                tokens += len(responses)
-                finished += sum(r.finish_reason is not None for r in responses)
-        wall = clock.stop()
-    finally:
-        gen.close()
-    result = ModeResult("raw", wall, tokens, wl.prompt_tokens, stats.prompt_tps, _peak_gb())
-    result.expected_gen_tokens = wl.gen_tokens
-    result.errors = n - finished
-    return result
-
-
-# The engine's counts each mlxq row reports (EngineStats fields).
-WORK_STATS = (
-    "prefilled_tokens",
-    "prefill_calls",
-    "decode_seconds",
-    "decode_steps",
-    "launch_seconds",
-)
-PREFIX_STATS = ("prefix_hits", "reused_tokens", "stored_tokens", "prefix_evictions")
-
-
-def run_mlxq(
-    model: Any,
-    tokenizer: Any,
-    name: str,
-    wl: Workload,
-    profile: Any,
-    url: str,
-    prefix_cache_bytes: int = 0,
-    engine: str = "slot",
-):
-    """Submit, run a burst worker on the main thread, read every result back.
-
-    ``engine``: "slot" (mlxq's default engine) or "batch_generator" (mode ``mlxq-bg``).
-
-    The prompt tok/s is effective: the requests' prompt tokens over the engine's prefill
-    time (``Engine.stats()``), so prompt tokens taken from the prefix cache count too.
-    """
-    from mlxq.broker.batches import connect, iter_batch_results, submit
-    from mlxq.engine.model_facts import model_info
-    from mlxq.engine.protocol import BatchEngine
-    from mlxq.engine.runner import Runner
-    from mlxq.wire import Request
-    from mlxq.worker.config import resolve
-    from mlxq.worker.launch import build_scheduler, engine_for
-    from mlxq.worker.rq_worker import MlxqWorker
-
-    readings: dict[str, Any] = {}
-    configs: list[Any] = []
-    kind = engine
-
-    def make_engine(facts: Any) -> BatchEngine:  # as mlxq.worker.launch.Setup, loaded model
-        info = model_info(model, name, vocab_size=len(tokenizer))
-        config = dataclasses.replace(
-            resolve(profile, facts, info), prefix_cache_bytes=prefix_cache_bytes
-        )
-        configs.append(config)
-        engine = engine_for(model, tokenizer, config, engine=kind)
-        readings["start"] = engine.stats()
-        return engine
-
-    runner = Runner(make_engine, lambda engine, facts: build_scheduler(configs[0]))
-    runner.start()
-    conn = connect(url)
-    queue = bench_queue()
-    requests = [
-        Request(prompt=p, max_tokens=m) for p, m in zip(wl.prompts, wl.max_tokens, strict=True)
-    ]
-    worker = MlxqWorker([queue], connection=conn, runner=runner, model_name=name)
-    try:
-        clock = Stopwatch()
-        batch = submit(conn, requests, queue=queue, result_ttl=BENCH_RESULT_TTL)
-        submit_s = clock.stop()
-        work_s, exit_s = work_burst(worker)
-        clock = Stopwatch()
-        results = list(iter_batch_results(conn, batch.batch_id))
-        read_s = clock.stop()
-        drop_batch(conn, batch.batch_id, queue)
-    finally:
-        runner.stop()
-        conn.close()
-    wall = submit_s + work_s + read_s
-    done = [r for r in results if r is not None and r.finish_reason in ("length", "stop")]
-    gen = sum(r.usage.completion_tokens for r in done)
-    done_work = runner.engine.stats().since(readings["start"])
-    prefill_s = done_work.prefill_seconds
-    mode = ("mlxq" if engine == "slot" else "mlxq-bg") + ("+prefix" if prefix_cache_bytes else "")
-    result = ModeResult(mode, wall, gen, wl.prompt_tokens, rate(wl.prompt_tokens, prefill_s))
-    result.peak_gb = _peak_gb()
-    result.expected_gen_tokens, result.errors = wl.gen_tokens, len(results) - len(done)
-    result.extra = {"submit_s": submit_s, "worker_s": work_s, "read_s": read_s}
-    result.extra["worker_exit_s"] = exit_s
-    result.extra["prefill_s"] = prefill_s
-    keep = WORK_STATS
-    if prefix_cache_bytes:
-        result.extra["prefix_cache_bytes"] = prefix_cache_bytes
-        keep += PREFIX_STATS
-    result.extra.update({k: getattr(done_work, k) for k in keep})
-    return result
-
-
-def median_run(runs: list[ModeResult]) -> ModeResult:
-    """The run with the median wall time (the slower middle one of an even count)."""
-    ordered = sorted(runs, key=lambda r: r.wall_s)
-    chosen = ordered[len(ordered) // 2]
-    if len(runs) > 1:
-        chosen.extra["repeat_wall_s"] = [round(r.wall_s, 4) for r in runs]
-    return chosen
 
 
 # -- report ------------------------------------------------------------------------------
@@ -538,9 +310,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_logs()
 
-    from mlx_lm import stream_generate
-    from mlx_lm.generate import BatchGenerator
-
     from mlxq.engine.hardware import device_facts
     from mlxq.engine.model_facts import model_info
     from mlxq.engine.scheduler import auto_prefill_batch
@@ -569,32 +338,14 @@ def main(argv: list[str] | None = None) -> int:
         return profile.prefill_batch or auto_prefill_batch(lengths, batch, step, tokens)
 
     how = "given" if args.batch else "auto"
-    defaults = inspect.signature(BatchGenerator.__init__).parameters
-    bg_batch = defaults["completion_batch_size"].default
-    bg_prefill = defaults["prefill_batch_size"].default
+    bg = batch_generator_defaults()
 
     n = args.requests if args.queue_factor is None else args.queue_factor * batch
     workloads = [make_workload(k, args, pool, n) for k in args.workloads]
     if args.export_jsonl:
         export_jsonl(workloads, Path(args.export_jsonl))
-    for wl in workloads:
-        longest = max(len(p) + m for p, m in zip(wl.prompts, wl.max_tokens, strict=True))
-        if longest > info.context_length:
-            sys.exit(
-                f"{wl.name}: a request needs {longest} tokens but the context of {name} "
-                f"is {info.context_length}: lower the lengths"
-            )
-
-    # Warm-up: compile and allocate once, outside every timed mode.
-    clock = Stopwatch()
-    for _ in stream_generate(model, tokenizer, pool[:32], max_tokens=8):
-        pass
-    warm = BatchGenerator(model, stop_tokens=None, completion_batch_size=4, prefill_batch_size=4)
-    warm.insert([pool[:16], pool[:40], pool[:7], pool[:64]], [8, 8, 8, 8])
-    while warm.next_generated():
-        pass
-    warm.close()
-    print(f"warm-up {clock.stop():.1f} s", file=sys.stderr)
+    check_context(workloads, info.context_length, name)
+    warm_up(model, tokenizer, pool)
 
     device = describe_device()
     out: dict[str, Any] = {
@@ -604,10 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         "mlxq_batch_source": how,
         "prefill_batch": profile.prefill_batch or "auto",
         "prefill_step": profile.prefill_step,
-        "batch_generate_defaults": {
-            "completion_batch_size": bg_batch,
-            "prefill_batch_size": bg_prefill,
-        },
+        "batch_generate_defaults": {"completion_batch_size": bg[0], "prefill_batch_size": bg[1]},
         "args": {k: v for k, v in vars(args).items() if k != "json"},
         "workloads": [],
     }
@@ -630,35 +378,15 @@ def main(argv: list[str] | None = None) -> int:
             engine = "slot" if mode == "mlxq" else "batch_generator"
             return run_mlxq(model, tokenizer, name, wl, profile, url, cache_bytes, engine)
 
-        # Each mode once, untimed, on a short copy of every workload (its prompts, 8 tokens
-        # each): a GPU compiles kernels for the first steps of each new shape, and whichever
-        # mode ran first would pay for them inside its timing.
         if args.warm_modes:
-            clock = Stopwatch()
-            for wl in workloads:
-                short = dataclasses.replace(wl, max_tokens=[min(8, m) for m in wl.max_tokens])
-                for mode, cache_bytes in variants[wl.name]:
-                    if mode != "naive":
-                        run_one(short, mode, cache_bytes)
-            _fresh()
-            print(f"modes warmed up in {clock.stop():.1f} s", file=sys.stderr)
-        # Repeats go round every workload and mode in turn, so a change in the load of a
-        # shared machine hits them alike.
-        runs: dict[tuple[str, str, int], list[ModeResult]] = {}
-        for i in range(args.repeat):
-            for wl in workloads:
-                for mode, cache_bytes in variants[wl.name]:
-                    _fresh()
-                    label = mode + ("+prefix" if cache_bytes else "")
-                    print(f"{wl.name}: {label} ({i + 1}/{args.repeat}) ...", file=sys.stderr)
-                    key = (wl.name, mode, cache_bytes)
-                    runs.setdefault(key, []).append(run_one(wl, mode, cache_bytes))
+            warm_modes(workloads, variants, run_one)
+        runs = run_rounds(workloads, variants, args.repeat, run_one)
         for wl in workloads:
             results = [median_run(runs[(wl.name, m, c)]) for m, c in variants[wl.name]]
             header = (
                 f"{model_line(info)} on {device} | workload {wl.label} | mlxq batch {batch} "
                 f"({how}), prefill batch {prefill_for(wl)} | batch_generate: mlx-lm defaults "
-                f"(batch {bg_batch}, prefill batch {bg_prefill})"
+                f"(batch {bg[0]}, prefill batch {bg[1]})"
             )
             if args.repeat > 1:
                 header += f" | median of {args.repeat} runs"
@@ -669,10 +397,83 @@ def main(argv: list[str] | None = None) -> int:
         if twins := twin_ratios(out["workloads"], batch):
             print()
             print(twins)
-    _fresh()
+    fresh_memory()
     if args.json:
         write_json(args.json, out)
     return 0
+
+
+def batch_generator_defaults() -> tuple[int, int]:
+    """mlx-lm's ``BatchGenerator`` default completion and prefill batch sizes (what
+    ``batch_generate`` runs with)."""
+    from mlx_lm.generate import BatchGenerator
+
+    defaults = inspect.signature(BatchGenerator.__init__).parameters
+    return defaults["completion_batch_size"].default, defaults["prefill_batch_size"].default
+
+
+def check_context(workloads: list[Workload], context_length: int, name: str) -> None:
+    """Exit with a message if a request does not fit the model's context."""
+    for wl in workloads:
+        longest = max(len(p) + m for p, m in zip(wl.prompts, wl.max_tokens, strict=True))
+        if longest > context_length:
+            sys.exit(
+                f"{wl.name}: a request needs {longest} tokens but the context of {name} "
+                f"is {context_length}: lower the lengths"
+            )
+
+
+def warm_up(model: Any, tokenizer: Any, pool: list[int]) -> None:
+    """Compile and allocate once, outside every timed mode."""
+    from mlx_lm import stream_generate
+    from mlx_lm.generate import BatchGenerator
+
+    clock = Stopwatch()
+    for _ in stream_generate(model, tokenizer, pool[:32], max_tokens=8):
+        pass
+    warm = BatchGenerator(model, stop_tokens=None, completion_batch_size=4, prefill_batch_size=4)
+    warm.insert([pool[:16], pool[:40], pool[:7], pool[:64]], [8, 8, 8, 8])
+    while warm.next_generated():
+        pass
+    warm.close()
+    print(f"warm-up {clock.stop():.1f} s", file=sys.stderr)
+
+
+def warm_modes(
+    workloads: list[Workload], variants: dict[str, list[tuple[str, int]]], run_one: Any
+) -> None:
+    """Each mode once, untimed, on a short copy of every workload (its prompts, 8 tokens
+    each): a GPU compiles kernels for the first steps of each new shape, and whichever
+    mode ran first would pay for them inside its timing."""
+    clock = Stopwatch()
+    for wl in workloads:
+        short = dataclasses.replace(wl, max_tokens=[min(8, m) for m in wl.max_tokens])
+        for mode, cache_bytes in variants[wl.name]:
+            if mode != "naive":
+                run_one(short, mode, cache_bytes)
+    fresh_memory()
+    print(f"modes warmed up in {clock.stop():.1f} s", file=sys.stderr)
+
+
+def run_rounds(
+    workloads: list[Workload],
+    variants: dict[str, list[tuple[str, int]]],
+    repeat: int,
+    run_one: Any,
+) -> dict[tuple[str, str, int], list[ModeResult]]:
+    """Every (workload, mode, prefix cache bytes) ``repeat`` times, keyed so. Repeats go
+    round every workload and mode in turn, so a change in the load of a shared machine
+    hits them alike."""
+    runs: dict[tuple[str, str, int], list[ModeResult]] = {}
+    for i in range(repeat):
+        for wl in workloads:
+            for mode, cache_bytes in variants[wl.name]:
+                fresh_memory()
+                label = mode + ("+prefix" if cache_bytes else "")
+                print(f"{wl.name}: {label} ({i + 1}/{repeat}) ...", file=sys.stderr)
+                key = (wl.name, mode, cache_bytes)
+                runs.setdefault(key, []).append(run_one(wl, mode, cache_bytes))
+    return runs
 
 
 def export_jsonl(workloads: list[Workload], folder: Path) -> None:

@@ -16,7 +16,8 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from mlxq.engine import device_masks
-from mlxq.engine.constraints import ConstraintBatch, ConstraintHook, Grammars, make_lltokenizer
+from mlxq.engine.constraint_hook import ConstraintHook
+from mlxq.engine.constraints import ConstraintBatch, Grammars, make_lltokenizer
 from mlxq.engine.device_masks import DeviceMasks, apply_masks, unpack_masks
 from mlxq.engine.mlx_lm_batch import Completion, Engine, EngineJob
 from mlxq.formats.constraints import constraint_problem, grammar_of

@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxq.engine import mlx_lm_seam, slot_decode
-from mlxq.engine.constraints import ConstraintHook
+from mlxq.engine.constraint_hook import ConstraintHook
 from mlxq.engine.fused_projections import fuse_projections
 from mlxq.engine.hardware import backend_name
 from mlxq.engine.model_facts import model_info
