@@ -15,13 +15,10 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from mlxq.engine import device_masks
 from mlxq.engine.constraint_hook import ConstraintHook
 from mlxq.engine.constraints import ConstraintBatch, Grammars, make_lltokenizer
-from mlxq.engine.device_masks import DeviceMasks, apply_masks, unpack_masks
 from mlxq.engine.mlx_lm_batch import Completion, Engine, EngineJob
-from mlxq.formats.constraints import constraint_problem, grammar_of
-from mlxq.formats.inputs import parse_lines
+from mlxq.formats.constraints import grammar_of
 from mlxq.wire import (
     GrammarFormat,
     JsonObjectFormat,
@@ -30,7 +27,6 @@ from mlxq.wire import (
     Message,
     RegexFormat,
     Request,
-    TextFormat,
 )
 from tests.helpers import run_mlxq
 
@@ -117,73 +113,6 @@ def engine(tiny) -> Engine:
 
 
 # -- at submit ----------------------------------------------------------------------------
-
-
-def test_constraints_that_cannot_be_enforced_are_explained():
-    def problem(fmt) -> str:
-        msg = constraint_problem(fmt)
-        assert msg is not None
-        return msg
-
-    unique = JsonSchemaFormat(JsonSchemaSpec(schema={"type": "array", "uniqueItems": True}))
-    assert "uniqueItems" in problem(unique) and problem(unique).startswith(
-        "response_format.json_schema.schema: cannot be enforced"
-    )
-    assert "strin" in problem(JsonSchemaFormat(JsonSchemaSpec(schema={"type": "strin"})))
-    assert "unclosed" in problem(RegexFormat("[a-"))
-    assert "foo" in problem(GrammarFormat("start: foo"))
-    for ok in (SCHEMA, JsonObjectFormat(), RegexFormat(REGEX), GrammarFormat(LARK), TextFormat()):
-        assert constraint_problem(ok) is None
-
-
-def test_lines_with_bad_constraints_are_refused_by_line():
-    person = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
-    chat = {"messages": [{"role": "user", "content": "hi"}], "response_format": person}
-    lines = [
-        json.dumps({"prompt": "a", "response_format": person}),
-        json.dumps({"prompt": "b", "response_format": {"type": "regex", "pattern": "(x"}}),
-        json.dumps(
-            {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": chat}
-        ),
-        json.dumps(
-            {
-                "custom_id": "d",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {**chat, "response_format": {"type": "json_schema", "json_schema": {}}},
-            }
-        ),
-        json.dumps({"prompt": "e", "response_format": {"type": "text"}}),
-        json.dumps({"prompt": "f", "response_format": {"type": "yaml"}}),
-    ]
-    parsed = parse_lines(lines)
-    assert [e.line for e in parsed.errors] == [2, 4, 6]
-    msgs = [e.message for e in parsed.errors]
-    assert msgs[0].startswith("response_format.pattern: cannot be enforced")
-    assert msgs[1].startswith("body.response_format.json_schema: missing")
-    assert msgs[2].startswith("response_format.type: Invalid value 'yaml'")
-    assert [r.custom_id for r in parsed.requests] == ["line-1", "c", "line-5"]
-    assert parsed.requests[1].response_format.json_schema.schema == PERSON
-
-
-def test_submit_refuses_a_file_with_a_broken_schema(valkey_url, conn, tmp_path):
-    broken = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}
-    src = tmp_path / "schemas.jsonl"
-    src.write_text(
-        json.dumps({"prompt": "ok", "response_format": {"type": "json_object"}})
-        + "\n"
-        + json.dumps({"prompt": "bad", "response_format": broken})
-        + "\n"
-    )
-    env = {**os.environ, "MLXQ_REDIS_URL": valkey_url}
-    sub = run_mlxq("submit", str(src), "--queue", "schemas", env=env)
-    assert sub.returncode != 0
-    assert f"{src}:2: response_format.json_schema.schema: cannot be enforced" in sub.stderr
-    assert "Invalid type: strin" in sub.stderr and "Traceback" not in sub.stderr
-    assert conn.llen("rq:queue:schemas") == 0
-    ok = run_mlxq("submit", str(src), "--queue", "schemas", "--skip-invalid", env=env)
-    assert ok.returncode == 0, ok.stderr
-    assert conn.llen("rq:queue:schemas") == 1
 
 
 # -- in the batch -------------------------------------------------------------------------
@@ -296,47 +225,6 @@ def test_logprobs_stop_strings_and_max_tokens_still_apply(engine):
     assert done["short"].finish_reason == "length" and len(done["short"].token_ids) == 3
     assert done["stop"].finish_reason == "stop" and done["stop"].text.startswith('{"name":"')
     assert "," not in done["stop"].text
-
-
-def test_masks_unpack_to_the_allowed_tokens():
-    rng = np.random.default_rng(0)
-    masks = rng.integers(-(2**31), 2**31, size=(3, 5), dtype=np.int64).astype(np.int32)
-    expected = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little").astype(bool)
-    for vocab in (150, 160, 170):  # narrower, exactly as wide, wider than the masks
-        want = np.zeros((3, vocab), dtype=bool)
-        want[:, : min(vocab, 160)] = expected[:, :vocab]
-        assert (np.array(unpack_masks(mx.array(masks), vocab)) == want).all()
-        logits = mx.array(rng.normal(size=(3, vocab)).astype(np.float32))
-        out = np.array(apply_masks(logits, mx.array(masks)))
-        assert (np.isneginf(out) == ~want).all()
-        assert (out[want] == np.array(logits)[want]).all()
-
-
-@pytest.mark.parametrize("vocab", [160, 150])  # whole words (no unpacking), and not
-def test_a_table_of_distinct_masks_picked_per_row_masks_as_the_rows_themselves(vocab):
-    rng = np.random.default_rng(2)
-    table = rng.integers(-(2**31), 2**31, size=(3, 5), dtype=np.int64).astype(np.int32)
-    index = [2, 0, 2, 1, 0]
-    logits = mx.array(rng.normal(size=(5, vocab)).astype(np.float32)).astype(mx.bfloat16)
-    picked = DeviceMasks(table, index).apply(logits)
-    assert mx.array_equal(picked, DeviceMasks(table[index]).apply(logits)).item()
-    assert mx.array_equal(picked, apply_masks(logits, mx.array(table[index]))).item()
-
-
-def test_the_compiled_mask_kernel_equals_the_plain_ops():
-    """CUDA's one fused kernel (shapeless: any rows, any words) computes what the plain ops
-    do on the CPU, for every shape it meets without a new trace."""
-    rng = np.random.default_rng(3)
-    shifts = mx.arange(32, dtype=mx.int32)
-    for rows, words in ((3, 5), (8, 2), (1, 7)):
-        masks = rng.integers(-(2**31), 2**31, size=(rows, words, 1), dtype=np.int64)
-        words3 = mx.array(masks.astype(np.int32))
-        logits = mx.array(rng.normal(size=(rows, words, 32)).astype(np.float32))
-        fused = device_masks._fused_masked_words(words3, shifts, logits)
-        plain = device_masks._masked_words(words3, shifts, logits)
-        assert mx.array_equal(fused, plain).item()
-        allowed = np.unpackbits(masks.astype(np.int32).view(np.uint8), axis=2, bitorder="little")
-        assert (np.isneginf(np.array(fused)) == (allowed == 0)).all()
 
 
 def test_batch_hook_masks_only_its_rows_and_follows_their_tokens(tiny):
@@ -482,40 +370,6 @@ def test_constrained_jobs_start_from_a_cached_prefix(tiny):
         assert done[key].finish_reason == "stop"
         want = constrained_reference(tiny, engine.encode(request), request)
         assert done[key].token_ids == want, key
-
-
-def test_the_python_client_refuses_a_constraint_it_cannot_enforce(valkey_url, conn):
-    from mlxq.client import Client
-
-    client = Client(valkey_url)
-    bad = {"prompt": "x", "response_format": {"type": "grammar", "lark": "start: nothing"}}
-    with pytest.raises(ValueError, match=r"request 1: response_format.lark: cannot be enforced"):
-        client.submit([{"prompt": "fine"}, bad], queue="client-constraints")
-    with pytest.raises(ValueError, match="cannot be enforced"):
-        client.submit([Request(prompt="x", response_format=RegexFormat("[z-a]"))], queue="c")
-    assert conn.llen("rq:queue:client-constraints") == 0
-    client.submit([{"prompt": "ok", "response_format": {"type": "json_object"}}], queue="c")
-    assert conn.llen("rq:queue:c") == 1
-
-
-def test_a_worker_fails_a_job_with_a_bad_constraint_alone(conn, tiny_model):
-    """Jobs enqueued without the submit-time check (another producer) reach a real worker."""
-    from mlxq.broker.batches import iter_batch_results, submit
-    from mlxq.worker.launch import run_worker
-    from mlxq.worker.profile import WorkerProfile
-
-    schema = JsonSchemaFormat(JsonSchemaSpec(schema={"type": "array", "uniqueItems": True}))
-    requests = [
-        Request(prompt="a", max_tokens=40, response_format=RegexFormat(REGEX), custom_id="ok"),
-        Request(prompt="b", max_tokens=8, response_format=schema, custom_id="bad"),
-        Request(prompt="c", max_tokens=8, custom_id="free"),
-    ]
-    batch = submit(conn, requests, queue="vetting")
-    run_worker(WorkerProfile(model=tiny_model, max_batch=4), conn, burst=True, queues=["vetting"])
-    results = {r.custom_id: r for r in iter_batch_results(conn, batch.batch_id)}
-    assert results["bad"].finish_reason == "error" and "uniqueItems" in results["bad"].error
-    assert results["ok"].finish_reason == "stop" and re.fullmatch(REGEX, results["ok"].text)
-    assert results["free"].error is None
 
 
 def test_a_job_released_while_the_helper_fills_masks_is_dropped_after_it(tiny):

@@ -1,21 +1,21 @@
 """The slot engine: the same contract as the BatchGenerator engine, checked against mlx-lm.
 
 The engine-only tests of test_engine.py run here again on a slot engine (their ``engine``
-fixture is this module's); the rest are the slot engine's own: model families, joins and
-finishes mid-batch, prefix reuse, batch hooks, attention kernels, fallback.
+fixture is this module's); the rest are the slot engine's own: joins and finishes
+mid-batch, prefill buckets, attention groups and sorting, prefix reuse, batch hooks,
+attention kernels. The compiled forward: test_slot_compiled.py; model families and
+quantized caches: test_slot_models.py.
 """
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import mlx.core as mx
 import mlx_lm
 import pytest
 import test_engine as base
-from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_tokenizer
 from test_engine import REQUESTS, FlakyModel, check_against_reference, reference, run_all
 
@@ -25,7 +25,6 @@ from mlxq.engine.factory import make_engine
 from mlxq.engine.mlx_lm_batch import Engine
 from mlxq.engine.protocol import BatchEngine
 from mlxq.engine.sampling import EngineJob
-from mlxq.engine.slot_cache import SlotCache, SlotLayer
 from mlxq.engine.slot_engine import SlotEngine
 from mlxq.engine.slot_joins import JoinPolicy
 from mlxq.engine.slot_order import sorted_order, span_groups
@@ -167,237 +166,6 @@ def test_rows_sorted_mid_run_equal_single_requests(tiny, monkeypatch: pytest.Mon
         done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, 1)
         check_against_reference(tiny, engine, done)
         assert engine.stats().sorts > 0 and engine._cache.free_slots == 6
-
-
-class _GrowingCache(SlotCache):
-    """A slot cache that grows in steps of one span (32 positions) and records each size."""
-
-    sizes: ClassVar[list[int]] = []
-
-    def __init__(self, num_layers: int, slots: int, **options: Any) -> None:
-        super().__init__(num_layers, slots, step=1, **options)
-
-    def reserve(self, tokens: int) -> None:
-        super().reserve(tokens)
-        if self.capacity not in self.sizes:
-            self.sizes.append(self.capacity)
-
-
-@pytest.mark.parametrize("compiled", ["1", "0"])
-def test_compiled_forward_equals_single_requests_as_the_cache_grows(
-    tiny, monkeypatch: pytest.MonkeyPatch, compiled: str
-) -> None:
-    """The compiled decode forward (the CUDA default) retraces as capacity grows, and
-    gives the same tokens as the eager one."""
-    model, tokenizer = tiny
-    monkeypatch.setenv(slot_choices.COMPILE_ENV, compiled)
-    monkeypatch.setattr(slot_engine, "SlotCache", _GrowingCache)
-    monkeypatch.setattr(_GrowingCache, "sizes", [])
-    engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=4, prefill_batch=2)
-    assert engine.choices.compiled is (compiled == "1")
-    done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, 2)
-    check_against_reference(tiny, engine, done)
-    assert len(_GrowingCache.sizes) >= 3  # it grew while rows decoded
-
-
-def test_the_compiled_forward_takes_lazily_built_model_arrays_as_constants() -> None:
-    """mlx-lm's su-scaled (and Llama 3) RoPE build their frequencies lazily at init, as
-    non-parameters: the trace must take them as they are, not redo ``base ** (i / d)``
-    in every step's graph."""
-    import io
-    import re
-
-    from mlxq.engine import mlx_lm_seam
-    from mlxq.engine.make_model import build_model
-
-    model, _ = build_model("tiny-phi3")
-    mlx_lm_seam.install(model)
-    cache = SlotCache(len(model.layers), 2)
-    heads, dim = model.args.num_key_value_heads, 16
-    for layer in range(cache.num_layers):
-        kv = mx.zeros((2, heads, 4, dim))
-        cache.write([0, 1], layer, kv, kv)
-    forward = slot_decode.CompiledForward(model, cache, gqa_decode)
-    logits = forward(mx.array([1, 2]), mx.array([4, 4]))
-    dot = io.StringIO()
-    mx.export_to_dot(dot, logits)
-    primitives = set(re.findall(r'label ="([A-Za-z]+)', dot.getvalue()))
-    assert "Matmul" in primitives  # (fused elementwise ops show as "Compiled...Power...")
-    assert not [p for p in primitives if "Power" in p], primitives
-
-
-@pytest.mark.parametrize("compiled", ["1", "0"])
-def test_steady_steps_feed_the_last_tokens_as_they_are(
-    tiny, monkeypatch: pytest.MonkeyPatch, compiled: str
-) -> None:
-    """A step over the same rows as the last one takes its sampled tokens as inputs,
-    without gathering them slot by slot (host work and kernels on every step)."""
-    monkeypatch.setenv(slot_choices.COMPILE_ENV, compiled)
-    gathered = []
-    real = slot_decode._gathered_inputs
-    monkeypatch.setattr(slot_decode, "_gathered_inputs", lambda *a: gathered.append(1) or real(*a))
-    model, tokenizer = tiny
-    engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=4, prefill_batch=4)
-    jobs = {str(i): Request(prompt=[5 + i, 6, 7], max_tokens=10) for i in range(4)}
-    done = run_all(engine, jobs)
-    assert all(len(c.token_ids) == 10 or c.finish_reason == "stop" for c in done.values())
-    assert engine.stats().decode_steps >= 9 and len(gathered) <= 2
-
-
-@pytest.fixture(scope="module")
-def wide_heads(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    from mlxq.engine.make_model import make_model
-
-    return mlx_lm.load(str(make_model(tmp_path_factory.mktemp("wide"), "tiny-wide-heads")))
-
-
-def _quantized_reference(model: Any, tokenizer: Any, tokens: list[int], request, bits: int):
-    """mlx-lm's single request with its own quantized KV cache from the first token on."""
-    out = []
-    steps = generate_step(
-        mx.array(tokens),
-        model,
-        max_tokens=request.max_tokens,
-        kv_bits=bits,
-        kv_group_size=32,
-        quantized_kv_start=0,
-    )
-    for token, _ in steps:
-        if token in tokenizer.eos_token_ids:
-            break
-        out.append(token)
-    return out
-
-
-def test_a_forward_that_cannot_be_compiled_gives_way_to_the_eager_one(
-    tiny, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A step the tracer cannot follow (here a host read inside each layer: fine eagerly,
-    an error while tracing) falls back to the eager forward with one warning; the cache
-    is left intact, so the tokens still equal mlx-lm's."""
-    monkeypatch.setenv(slot_choices.COMPILE_ENV, "1")
-    original = SlotLayer.update_and_fetch
-
-    def reads_the_host(self: SlotLayer, keys: mx.array, values: mx.array) -> Any:
-        keys.sum().item()
-        return original(self, keys, values)
-
-    monkeypatch.setattr(SlotLayer, "update_and_fetch", reads_the_host)
-    model, tokenizer = tiny
-    engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=4, prefill_batch=2)
-    assert engine.choices.compiled
-    with caplog.at_level(logging.WARNING, logger="mlxq.engine"):
-        done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, 2)
-    check_against_reference(tiny, engine, done)
-    assert not engine.choices.compiled and engine._forward is None
-    warned = [r for r in caplog.records if "compiled decode forward failed" in r.getMessage()]
-    assert len(warned) == 1
-
-
-def test_an_error_outside_the_trace_fails_the_batch_and_keeps_the_compiled_forward(
-    tiny, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Only a failed trace drops the compiled forward: the cache failing to grow (out of
-    memory) fails the batch as in the eager engine, and later jobs still run compiled."""
-    monkeypatch.setenv(slot_choices.COMPILE_ENV, "1")
-    model, tokenizer = tiny
-    engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=2, prefill_batch=2)
-    for i in range(2):
-        engine.add(EngineJob(str(i), REQUESTS[i]))
-    engine.step()
-    grow = SlotCache.reserve
-
-    def out_of_memory(self: SlotCache, tokens: int) -> None:
-        raise RuntimeError("[metal::malloc] Attempting to allocate 99 GB")
-
-    monkeypatch.setattr(SlotCache, "reserve", out_of_memory)
-    failed = engine.step()
-    monkeypatch.setattr(SlotCache, "reserve", grow)
-    assert sorted(c.key for c in failed) == ["0", "1"]
-    assert all(c.finish_reason == "error" and "out of memory" in c.error for c in failed)
-    assert engine.choices.compiled and engine._forward is not None
-    done = run_all(engine, {"2": REQUESTS[2]})
-    want = reference(model, tokenizer, engine.encode(REQUESTS[2]), REQUESTS[2])["tokens"]
-    assert done["2"].token_ids == want
-
-
-@pytest.mark.parametrize(("bits", "compiled"), [(8, "0"), (4, "0"), (8, "1")])
-def test_quantized_slot_cache_equals_mlx_lm_quantized_single_requests(
-    wide_heads, monkeypatch: pytest.MonkeyPatch, bits: int, compiled: str
-) -> None:
-    """With kv_bits, batched greedy output (jobs joining and leaving) equals mlx-lm's
-    single-request greedy output over its QuantizedKVCache, token for token (also through
-    the compiled forward)."""
-    monkeypatch.setenv(slot_choices.COMPILE_ENV, compiled)
-    model, tokenizer = wide_heads
-    sizes = {"max_batch": 4, "prefill_batch": 2}
-    plain = SlotEngine.from_loaded(model, tokenizer, "wide", **sizes)
-    engine = SlotEngine.from_loaded(model, tokenizer, "wide", kv_bits=bits, **sizes)
-    assert engine.choices.attention == f"{bits}-bit quantized"
-    jobs = {str(i): r for i, r in enumerate(REQUESTS)}
-    done, plain_done = run_all(engine, jobs, 2), run_all(plain, jobs, 2)
-    for i, request in enumerate(REQUESTS):
-        ref = _quantized_reference(model, tokenizer, engine.encode(request), request, bits)
-        assert done[str(i)].token_ids == ref, f"request {i}"
-    # float32 values, groups of 32 with a float32 scale and bias each.
-    per_value = bits / 8 + 2 * 4 / 32
-    assert engine._cache.nbytes == pytest.approx(plain._cache.nbytes * per_value / 4)
-    assert all(c.finish_reason in ("stop", "length") for c in plain_done.values())
-
-
-def test_kv_bits_that_cannot_be_honoured_are_refused(tiny) -> None:
-    model, tokenizer = tiny  # heads of 16 values
-    with pytest.raises(ValueError, match="multiple of 32"):
-        SlotEngine.from_loaded(model, tokenizer, "tiny", kv_bits=8)
-    with pytest.raises(ValueError, match="choose 8 or 4"):
-        SlotEngine.from_loaded(model, tokenizer, "tiny", kv_bits=5)
-    with pytest.raises(ValueError, match="needs the slot engine"):
-        make_engine(model, tokenizer, "tiny", engine="batch_generator", kv_bits=8)
-
-
-@pytest.fixture(scope="module")
-def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Any]]:
-    from mlxq.engine.make_model import make_model
-
-    root = tmp_path_factory.mktemp("families")
-    presets = ("tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-phi3", "tiny-gemma3")
-    return {p: mlx_lm.load(str(make_model(root / p, p))) for p in presets}
-
-
-@pytest.mark.parametrize(
-    ("preset", "kind"),
-    [
-        ("tiny-qwen2", SlotEngine),
-        ("tiny-qwen3", SlotEngine),
-        ("tiny-mistral", SlotEngine),
-        ("tiny-phi3", SlotEngine),
-        ("tiny-gemma3", Engine),  # sliding-window layers: the fallback
-    ],
-)
-def test_model_families_equal_single_requests(
-    family_models: dict, preset: str, kind: type, caplog: pytest.LogCaptureFixture
-) -> None:
-    model, tokenizer = family_models[preset]
-    with caplog.at_level(logging.INFO, logger="mlxq.engine"):
-        engine = make_engine(model, tokenizer, preset, max_batch=3, prefill_batch=2)
-    assert type(engine) is kind
-    fallback = [r for r in caplog.records if "BatchGenerator" in r.getMessage()]
-    assert len(fallback) == (kind is Engine)
-    done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, join_every=2)
-    check_against_reference((model, tokenizer), engine, done)
-
-
-@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-phi3"])
-def test_model_families_through_the_compiled_forward(
-    family_models: dict, preset: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The compiled decode forward (the CUDA default) traces every family on slots."""
-    monkeypatch.setenv(slot_choices.COMPILE_ENV, "1")
-    model, tokenizer = family_models[preset]
-    engine = make_engine(model, tokenizer, preset, max_batch=3, prefill_batch=2)
-    assert isinstance(engine, SlotEngine) and engine.choices.compiled
-    done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, join_every=2)
-    check_against_reference((model, tokenizer), engine, done)
 
 
 def test_engines_satisfy_the_protocol(tiny) -> None:
