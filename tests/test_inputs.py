@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 from pathlib import Path
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from mlxq.formats.inputs import (
     InputFileError,
@@ -380,163 +377,6 @@ def test_parsed_input_shape():
     assert isinstance(parsed, ParsedInput)
     assert parsed.lines == [2]
     assert [e.line for e in parsed.errors] == [3]
-
-
-# --------------------------------------------------------------------------------------
-# Fuzzing: parse_line only ever returns a Request or raises InvalidLine.
-
-_KEYS = [*Request.__struct_fields__, "custom_id", "method", "url", "body", "model", "x"]
-_BODY_KEYS = [
-    "messages",
-    "prompt",
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "stop",
-    "seed",
-    "n",
-    "stream",
-    "logprobs",
-    "top_logprobs",
-    "frequency_penalty",
-    "presence_penalty",
-    "model",
-    "user",
-    "metadata",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "echo",
-    "best_of",
-    "tools",
-]
-_scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=8)
-    | st.sampled_from(["POST", "GET", "/v1/chat/completions", "/v1/completions", "user", "text"])
-)
-_json = st.recursive(
-    _scalars,
-    lambda inner: (
-        st.lists(inner, max_size=4)
-        | st.dictionaries(
-            st.sampled_from([*_KEYS, *_BODY_KEYS, "role", "content", "type"]), inner, max_size=5
-        )
-    ),
-    max_leaves=12,
-)
-_part = st.fixed_dictionaries(
-    {"type": st.sampled_from(["text", "image_url", "input_audio", "other", None, 3, [], {}])},
-    optional={"text": _json, "image_url": _json},
-)
-_message = st.fixed_dictionaries(
-    {
-        "role": st.sampled_from(["user", "system", "", 3]),
-        "content": _json | st.lists(_part | _json, max_size=3),
-    },
-    optional={"name": _json, "type": _json},
-)
-_openai_lines = st.fixed_dictionaries(
-    {
-        "custom_id": st.one_of(st.text(max_size=4), st.integers(), st.none()),
-        "method": st.sampled_from(["POST", "GET", None]),
-        "url": st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/x", None]),
-        "body": st.dictionaries(
-            st.sampled_from(_BODY_KEYS), _json | st.lists(_message, max_size=3), max_size=6
-        )
-        | _json,
-    }
-)
-_mlxq_lines = st.dictionaries(
-    st.sampled_from(_KEYS), _json | st.lists(_message, max_size=3), max_size=6
-)
-
-
-def _check_parse(raw: bytes | str) -> None:
-    try:
-        r = parse_line(raw, 5)
-    except InvalidLine as e:
-        assert e.line == 5
-        assert isinstance(e.message, str) and e.message
-        assert "\n" not in e.message
-        return
-    assert isinstance(r, Request)
-    assert r.custom_id
-    json_encoder.encode(r)  # it can go to Redis
-
-
-# MLXQ_FUZZ_EXAMPLES=20000 fuzzes harder; no example database, so no .hypothesis/ folder.
-_EXAMPLES = int(os.environ.get("MLXQ_FUZZ_EXAMPLES", "300"))
-_fuzz = settings(
-    max_examples=_EXAMPLES,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-
-
-@_fuzz
-@given(st.binary(max_size=200))
-def test_fuzz_random_bytes(raw):
-    _check_parse(raw)
-
-
-@_fuzz
-@given(st.text(max_size=100))
-def test_fuzz_random_text(raw):
-    _check_parse(raw)
-
-
-@_fuzz
-@given(_json | _mlxq_lines | _openai_lines)
-def test_fuzz_json_objects(obj):
-    _check_parse(json.dumps(obj))
-
-
-@_fuzz
-@given(_mlxq_lines | _openai_lines, st.integers(0, 10_000))
-def test_fuzz_mutated_json(obj, seed):
-    raw = bytearray(json.dumps(obj).encode())
-    if raw:
-        raw[seed % len(raw)] = seed % 256
-    _check_parse(bytes(raw))
-
-
-@settings(_fuzz, max_examples=max(1, _EXAMPLES // 3))
-@given(st.lists(st.binary(max_size=40) | _mlxq_lines.map(json.dumps).map(str.encode), max_size=8))
-def test_fuzz_parse_lines_never_raises(lines):
-    parsed = parse_lines(lines)
-    assert len(parsed.requests) == len(parsed.lines)
-    assert parsed.lines == sorted(parsed.lines)
-    ids = [r.custom_id for r in parsed.requests]
-    assert len(ids) == len(set(ids))
-    assert not {e.line for e in parsed.errors} & set(parsed.lines)
-
-
-_requests = st.builds(
-    Request,
-    prompt=st.one_of(
-        st.text(min_size=1, max_size=10), st.lists(st.integers(0, 2**20), min_size=1, max_size=5)
-    ),
-    max_tokens=st.integers(1, 1_000_000),
-    temperature=st.floats(0, 10),
-    top_p=st.floats(0, 1),
-    top_k=st.integers(0, 100),
-    seed=st.none() | st.integers(0, 2**32 - 1),
-    stop=st.lists(st.text(min_size=1, max_size=4), max_size=2),
-    logprobs=st.none() | st.integers(0, 20),
-    custom_id=st.text(min_size=1, max_size=12),
-)
-
-
-@_fuzz
-@given(_requests)
-def test_fuzz_valid_requests_round_trip(req):
-    assert parse_line(json_encoder.encode(req), 1) == req
 
 
 def test_error_messages_name_a_field_or_say_what_is_wrong():
