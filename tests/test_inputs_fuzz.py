@@ -11,34 +11,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlxq.formats.inputs import InvalidLine, parse_line, parse_lines
+from mlxq.formats.openai_input import _BODY_FIELDS
 from mlxq.wire import Request, json_encoder
 
 _KEYS = [*Request.__struct_fields__, "custom_id", "method", "url", "body", "model", "x"]
-_BODY_KEYS = [
-    "messages",
-    "prompt",
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "stop",
-    "seed",
-    "n",
-    "stream",
-    "logprobs",
-    "top_logprobs",
-    "frequency_penalty",
-    "presence_penalty",
-    "model",
-    "user",
-    "metadata",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "echo",
-    "best_of",
-    "tools",
-]
+# The body keys the parser knows, and some it does not.
+_BODY_KEYS = sorted(
+    {key for keys in _BODY_FIELDS.values() for key in keys} | {"echo", "best_of", "tools"}
+)
 _scalars = (
     st.none()
     | st.booleans()
