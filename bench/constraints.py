@@ -34,6 +34,14 @@ from common import Stopwatch, describe_device, fmt_num, table, use_openblas, wri
 
 SEED = 0
 PROMPT_RANGE = (16, 512)
+# A JSON step's parts reported (ms a step), by the EngineStats field each comes from.
+STEP_PARTS = {
+    "decode": "decode_seconds",
+    "mask_helper": "mask_seconds",
+    "mask_wait": "mask_wait_seconds",
+    "token_wait": "token_wait_seconds",
+    "sample_launch": "sample_launch_seconds",
+}
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -156,25 +164,20 @@ def bench_batch(model: Any, tokenizer: Any, batch: int, args: argparse.Namespace
     run(free, free_jobs[:4])
 
     secs: dict[str, list[tuple[float, float]]] = {"free": [], "json": [], "mixed": []}
-    parts: list[tuple[float, float, float]] = []  # json: ms a step of decode, helper, wait
+    parts: list[tuple[float, ...]] = []  # json: ms a step of each of STEP_PARTS
     for _ in range(args.repeat):
         secs["free"].append(run(free, free_jobs)[0])
         wall, _, work = timed_run(constrained, json_jobs)
         secs["json"].append(wall)
         per_step = 1000 / max(1, work.decode_steps)
-        parts.append(
-            (
-                work.decode_seconds * per_step,
-                work.mask_seconds * per_step,
-                work.mask_wait_seconds * per_step,
-            )
-        )
+        parts.append(tuple(getattr(work, f) * per_step for f in STEP_PARTS.values()))
         secs["mixed"].append(run(constrained, mixed_jobs)[0])
     tokens = sum(lengths)
     side = interleaved([(free, free_jobs), (constrained, json_jobs)], args.interleave)
     out = {"batch": batch, "jobs": len(ps), "tokens": tokens, "unfinished_json": unfinished}
-    step_ms, helper_ms, wait_ms = (statistics.median(p[i] for p in parts) for i in range(3))
-    out["json_step_ms"] = {"decode": step_ms, "mask_helper": helper_ms, "mask_wait": wait_ms}
+    out["json_step_ms"] = {
+        name: statistics.median(p[i] for p in parts) for i, name in enumerate(STEP_PARTS)
+    }
     (free_s, free_tokens), (json_s, json_tokens) = side
     out["interleaved"] = {
         "free_s": free_s,
@@ -213,10 +216,11 @@ def report(rows: list[dict], header: str) -> str:
     headers += ["(interleaved)", "(CPU)", "mixed/free", "(CPU)", "json unfinished"]
     lines.append(table(headers, cells))
     lines += ["", "JSON decode steps, ms a step (medians): the whole step; the mask helper's"]
-    lines += ["work (another thread, beside it); the step waiting for the helper"]
-    keys = ("decode", "mask_helper", "mask_wait")
-    cells = [[str(r["batch"]), *(f"{r['json_step_ms'][k]:.2f}" for k in keys)] for r in rows]
-    lines.append(table(["batch", "decode step", "mask helper", "waiting for it"], cells))
+    lines += ["work (another thread, beside it); the step waiting for the helper; waiting for"]
+    lines += ["the last step's tokens; the sampling launch after the model's (with the wait)"]
+    cells = [[str(r["batch"]), *(f"{r['json_step_ms'][k]:.2f}" for k in STEP_PARTS)] for r in rows]
+    headers = ["batch", "decode step", "mask helper", "waiting for it", "for tokens", "sampling"]
+    lines.append(table(headers, cells))
     return "\n".join(lines)
 
 

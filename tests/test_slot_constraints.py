@@ -35,14 +35,19 @@ test_logprobs_stop_strings_and_max_tokens_still_apply = (
 
 
 def test_the_engine_counts_its_mask_helper_and_its_waits_for_it(engine: SlotEngine) -> None:
-    """Free jobs leave the mask counters at zero; constrained ones count the helper's time,
-    and the steps' waits for it never exceed the decode time they are part of."""
+    """Free jobs leave the mask and sampling-after counters at zero; constrained ones count
+    the helper's time, and the steps' waits for it, for the last tokens and the sampling
+    launch never exceed the decode time they are part of."""
     base.run_jobs(engine, {"free": base.Request(prompt=[5, 6, 7], max_tokens=12)})
     free = engine.stats()
     assert free.mask_seconds == free.mask_wait_seconds == 0.0 and free.decode_steps > 0
+    assert free.token_wait_seconds == free.sample_launch_seconds == 0.0
     json_job = base.Request(prompt="A person:", max_tokens=60, response_format=base.SCHEMA)
     done = base.run_jobs(engine, {"a": json_job, "b": json_job})
     assert all(c.error is None for c in done.values())
     work = engine.stats().since(free)
     assert work.mask_seconds > 0.0
     assert 0.0 <= work.mask_wait_seconds <= work.decode_seconds
+    assert work.token_wait_seconds > 0.0 and work.sample_launch_seconds > 0.0
+    waits = work.token_wait_seconds + work.sample_launch_seconds
+    assert waits + work.launch_seconds <= work.decode_seconds

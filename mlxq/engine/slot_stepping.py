@@ -79,7 +79,9 @@ class Stepping:
         self._inflight = launch.step
         done = [] if prev is None else self._collect(prev, launch.tokens)
         if launch.logits is not None:
+            sampling = time.perf_counter()
             done += self._sample_after(rows, launch.logits)
+            self._stats.sample_launch_seconds += time.perf_counter() - sampling
         self._stats.decode_seconds += time.perf_counter() - tic
         return done
 
@@ -103,6 +105,7 @@ class Stepping:
         except Exception as exc:
             return _Launch(failed=self._fail_batch(exc))
         self._stats.launch_seconds += time.perf_counter() - built - waited
+        self._stats.token_wait_seconds += waited
         self._stats.decode_steps += 1
         return out
 

@@ -22,6 +22,12 @@ class EngineStats:
     (beside the decode steps, on another thread); ``mask_wait_seconds``: the decode steps
     waiting for it (within ``decode_seconds``): a constrained batch whose wait grows is
     bound by its masks, not by the model (the slot engine; the other leaves them at 0).
+    Steps that sample after their model's part (constrained rows, per-row processors)
+    also count ``token_wait_seconds``, waiting for the last step's tokens on the host (and
+    handing them to the hooks), and
+    ``sample_launch_seconds``, building and launching their sampling once the masks are
+    there (the mask wait included): both within ``decode_seconds``, what such a step costs
+    beyond a free one.
     """
 
     prompt_tokens: int = 0
@@ -34,6 +40,8 @@ class EngineStats:
     launch_seconds: float = 0.0
     mask_seconds: float = 0.0
     mask_wait_seconds: float = 0.0
+    token_wait_seconds: float = 0.0
+    sample_launch_seconds: float = 0.0
     sorts: int = 0  # times the slot engine moved its rows into length order
     prefix_hits: int = 0
     reused_tokens: int = 0
