@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import msgspec
@@ -20,6 +20,12 @@ from mlxq.cli.tables import input_options
 from mlxq.cli.worker import STALLED_EXIT, setup_logging, worker_options, worker_profile
 from mlxq.formats.tables import InputOptions
 from mlxq.wire import Result, json_encoder
+
+if TYPE_CHECKING:  # (the worker's modules load MLX: imported where a run needs them)
+    import redis
+
+    from mlxq.worker.launch import Setup
+    from mlxq.worker.profile import WorkerProfile
 
 
 @click.command()
@@ -60,8 +66,7 @@ def run(
     batch, serves it with an in-process worker, writes OUTPUT and stops the server.
     """
     from mlxq.server import embedded
-    from mlxq.worker.launch import Setup, run_worker
-    from mlxq.worker.watchdog import EngineStalled
+    from mlxq.worker.launch import Setup
 
     # A progress bar shows the run; per-job log lines would drown it.
     log_level = "WARNING" if log_level.upper() == "INFO" else log_level
@@ -91,34 +96,14 @@ def run(
         click.echo(
             f"running {len(parsed.requests)} requests on {prof.model} (batch {batch_id})", err=True
         )
-        start, tokens = time.monotonic(), [0]
-        with progress_bar(len(parsed.requests), "generating") as bar:
-
-            def on_finish(result: Result) -> None:
-                tokens[0] += result.usage.completion_tokens
-                if sys.stderr.isatty():  # a changing label reprints the line when piped
-                    rate = tokens[0] / (time.monotonic() - start)
-                    bar.label = f"generating ({rate:.0f} tok/s)"
-                bar.update(1)
-
-            try:
-                run_worker(
-                    prof,
-                    conn,
-                    burst=True,
-                    queues=[queue_name],
-                    on_finish=on_finish,
-                    log_level=log_level,
-                    setup=setup,
-                )
-            except EngineStalled as e:
-                fail(f"engine stalled: {e}; rerun (the batch is {batch_id})", code=STALLED_EXIT)
+        start = time.monotonic()
+        tokens = _serve(prof, conn, queue_name, batch_id, len(parsed.requests), setup, log_level)
         s = q.batch_status(conn, batch_id)
         elapsed = time.monotonic() - start
         work = engine.stats().since(before)
         click.echo(
             f"{s.finished} finished, {s.failed} failed in {elapsed:.1f}s: "
-            f"{tokens[0] / max(elapsed, 1e-9):,.0f} generated tok/s "
+            f"{tokens / max(elapsed, 1e-9):,.0f} generated tok/s "
             f"(prefill {work.prefill_seconds:.1f}s, decode {work.decode_seconds:.1f}s)",
             err=True,
         )
@@ -129,10 +114,50 @@ def run(
             "total": s.total,
             "finished": s.finished,
             "failed": s.failed,
-            "generated_tokens": tokens[0],
+            "generated_tokens": tokens,
             "seconds": round(elapsed, 3),
             "output": output,
             # Where the time went: prefill and decode, steps and calls (see EngineStats).
             "engine": msgspec.to_builtins(work),
         }
         click.echo(json_encoder.encode(summary).decode())
+
+
+def _serve(
+    prof: WorkerProfile,
+    conn: redis.Redis,
+    queue_name: str,
+    batch_id: str,
+    total: int,
+    setup: Setup,
+    log_level: str,
+) -> int:
+    """Drain this run's queue with an in-process burst worker behind a progress bar (its
+    label: generated tok/s so far); the tokens generated. A stalled engine exits with
+    ``STALLED_EXIT``, naming the batch."""
+    from mlxq.worker.launch import run_worker
+    from mlxq.worker.watchdog import EngineStalled
+
+    start, tokens = time.monotonic(), [0]
+    with progress_bar(total, "generating") as bar:
+
+        def on_finish(result: Result) -> None:
+            tokens[0] += result.usage.completion_tokens
+            if sys.stderr.isatty():  # a changing label reprints the line when piped
+                rate = tokens[0] / (time.monotonic() - start)
+                bar.label = f"generating ({rate:.0f} tok/s)"
+            bar.update(1)
+
+        try:
+            run_worker(
+                prof,
+                conn,
+                burst=True,
+                queues=[queue_name],
+                on_finish=on_finish,
+                log_level=log_level,
+                setup=setup,
+            )
+        except EngineStalled as e:
+            fail(f"engine stalled: {e}; rerun (the batch is {batch_id})", code=STALLED_EXIT)
+    return tokens[0]
