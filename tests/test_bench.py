@@ -53,6 +53,15 @@ def test_constraints_runs_its_modes_alternating_and_interleaved(tmp_path: Path) 
     assert row["interleaved"]["json_per_free"] > 0 and row["json"]["tok_s"] > 0
 
 
+def test_sampling_launch_times_every_part() -> None:
+    out = run_script(
+        "bench/sampling_launch.py",
+        *("--rows", "4", "--vocab", "320", "--distinct", "2", "--warmup", "1", "--repeat", "2"),
+    )
+    for part in ("free", "upload", "upload + apply", "masked"):
+        assert f"\n{part} " in out.stdout, out.stdout
+
+
 def test_context_per_token_counts_the_positions_each_token_attends() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     from workloads import context_per_token
