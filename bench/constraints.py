@@ -93,14 +93,19 @@ def run(engine: Any, jobs: list[Any]) -> tuple[tuple[float, float], dict[str, An
     return timed_run(engine, jobs)[:2]
 
 
-def timed_run(engine: Any, jobs: list[Any]) -> tuple[tuple[float, float], dict[str, Any], Any]:
-    """:func:`run`, and the engine's counts of the run (``EngineStats``)."""
+def admit(engine: Any, jobs: list[Any]) -> None:
+    """Add the requests ``jobs`` to ``engine`` as jobs "0", "1", ..."""
     from mlxq.engine.sampling import EngineJob
 
-    before = engine.stats()
-    clock, cpu = Stopwatch(), time.process_time()
     for i, request in enumerate(jobs):
         assert engine.add(EngineJob(str(i), request)) is None
+
+
+def timed_run(engine: Any, jobs: list[Any]) -> tuple[tuple[float, float], dict[str, Any], Any]:
+    """:func:`run`, and the engine's counts of the run (``EngineStats``)."""
+    before = engine.stats()
+    clock, cpu = Stopwatch(), time.process_time()
+    admit(engine, jobs)
     done = {}
     while engine.active:
         done.update((c.key, c) for c in engine.step())
@@ -117,11 +122,8 @@ def interleaved(runs: list[tuple[Any, list[Any]]], turn: int) -> list[tuple[floa
     """
     import mlx.core as mx
 
-    from mlxq.engine.sampling import EngineJob
-
     for engine, jobs in runs:
-        for i, request in enumerate(jobs):
-            assert engine.add(EngineJob(str(i), request)) is None
+        admit(engine, jobs)
     seconds, tokens = [0.0] * len(runs), [0] * len(runs)
     while any(engine.active for engine, _ in runs):
         for k, (engine, _) in enumerate(runs):
