@@ -14,19 +14,15 @@ from rq.results import Result as RQResult
 
 from mlxq.broker import batches as q
 from mlxq.broker import keys
-from mlxq.broker.intake import dequeue_many, register
+from mlxq.broker.intake import register
 from mlxq.broker.rq_store import end_script, rq_keys, transitions
 from mlxq.broker.serializer import serializer
-from mlxq.wire import Request, Result
-from mlxq.worker.rq_worker import MlxqWorker
+from mlxq.wire import Result
+from tests.helpers import dequeued
 
 
 def _started(conn: redis.Redis, n: int, result_ttl: int = keys.DEFAULT_RESULT_TTL):
-    reqs = [Request(prompt=f"p{i}", max_tokens=4, custom_id=f"c{i}") for i in range(n)]
-    batch = q.submit(conn, reqs, queue="ends", result_ttl=result_ttl).batch_id
-    worker = MlxqWorker(["ends"], connection=conn, runner=None, model_name="m")  # type: ignore[arg-type]
-    worker.register_birth()
-    group = dequeue_many(worker, n)
+    batch, worker, group = dequeued(conn, n, "ends", result_ttl)
     executions = register(worker, group)
     return batch, worker, [(j, qu, e) for (j, qu), e in zip(group, executions, strict=True)]
 

@@ -11,20 +11,12 @@ from rq.registry import StartedJobRegistry
 
 from mlxq.broker import batches as q
 from mlxq.broker import keys
-from mlxq.broker.intake import dequeue_many, register
+from mlxq.broker.intake import register
 from mlxq.broker.rq_store import rq_keys, start_script
 from mlxq.broker.rq_store.counters import batch_of, move
 from mlxq.broker.serializer import serializer
-from mlxq.wire import Request
 from mlxq.worker.rq_worker import MlxqWorker
-
-
-def _dequeued(conn: redis.Redis, n: int):
-    reqs = [Request(prompt=f"p{i}", max_tokens=4) for i in range(n)]
-    batch = q.submit(conn, reqs, queue="starts").batch_id
-    worker = MlxqWorker(["starts"], connection=conn, runner=None, model_name="m")  # type: ignore[arg-type]
-    worker.register_birth()
-    return batch, worker, dequeue_many(worker, n)
+from tests.helpers import dequeued
 
 
 def _start_through_rq(worker: MlxqWorker, job: Job, queue) -> Execution:
@@ -67,7 +59,7 @@ def _state(conn: redis.Redis, job: Job, queue, execution: Execution) -> dict:
 
 
 def test_a_job_starts_as_rq_starts_it(conn: redis.Redis) -> None:
-    batch, worker, ((a, qa), (b, qb)) = _dequeued(conn, 2)
+    batch, worker, ((a, qa), (b, qb)) = dequeued(conn, 2, "starts")
     for job in (a, b):  # (a job with an expiry, as RQ's enqueue ttl gives: started, it keeps)
         conn.expire(job.key, 1000)
     ea = _start_through_rq(worker, a, qa)
@@ -93,7 +85,7 @@ def test_a_job_starts_as_rq_starts_it(conn: redis.Redis) -> None:
 def test_a_job_that_stopped_waiting_is_not_started(conn: redis.Redis) -> None:
     """Cancelled, or taken out of the intermediate queue by a sweeper: left as it is, while
     the rest of the group starts."""
-    batch, worker, group = _dequeued(conn, 3)
+    batch, worker, group = dequeued(conn, 3, "starts")
     (cancelled, _), (swept, queue), _ = group
     conn.hset(cancelled.key, "status", "canceled")
     conn.lrem(queue.intermediate_queue_key, 1, swept.id)
