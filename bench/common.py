@@ -150,3 +150,17 @@ def write_json(path: str | Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
     print(f"figures written to {path}")
+
+
+def preset_tokenizer() -> Any:
+    """The presets' tokenizer as mlx-lm's ``TokenizerWrapper``, built in memory."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
+    from transformers import PreTrainedTokenizerFast
+
+    from mlxq.engine.make_model import BOS, CHAT_TEMPLATE, END, EOS_IDS, EOT, build_tokenizer
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=build_tokenizer(), bos_token=BOS, eos_token=EOT, pad_token=END
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    return TokenizerWrapper(hf, BPEStreamingDetokenizer, eos_token_ids=EOS_IDS)

@@ -25,12 +25,18 @@ import argparse
 import random
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from common import Stopwatch, describe_device, fmt_num, table, use_openblas, write_json
+from common import (
+    Stopwatch,
+    describe_device,
+    fmt_num,
+    preset_tokenizer,
+    table,
+    use_openblas,
+    write_json,
+)
 
 SEED = 0
 PROMPT_RANGE = (16, 512)
@@ -62,17 +68,15 @@ SCHEMA = {
 
 
 def load(preset: str, path: str | None = None) -> tuple[Any, Any]:
-    """The model at ``path`` or, without one, the preset with random weights, made in a
-    temporary folder; loaded by mlx-lm."""
-    import mlx_lm
-
-    from mlxq.engine.make_model import make_model
-
+    """The model at ``path`` or, without one, the preset with random weights, built in
+    memory (an 8B shape writes no 16 GB to disk); loaded by mlx-lm."""
     if path:
+        import mlx_lm
+
         return mlx_lm.load(path)[:2]
-    with tempfile.TemporaryDirectory() as tmp:
-        model, tokenizer = mlx_lm.load(str(make_model(Path(tmp) / preset, preset)))[:2]
-    return model, tokenizer
+    from mlxq.engine.make_model import build_model
+
+    return build_model(preset, seed=SEED)[0], preset_tokenizer()
 
 
 def prompts(tokenizer: Any, n: int) -> list[list[int]]:

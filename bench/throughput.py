@@ -33,6 +33,7 @@ from common import (
     describe_device,
     fmt_num,
     fmt_ratio,
+    preset_tokenizer,
     quiet_logs,
     redis_url,
     table,
@@ -58,20 +59,6 @@ REALISTIC = ("varied", "varied-twin", "mixed", "mixed-twin")
 
 
 # -- model -------------------------------------------------------------------------------
-def preset_tokenizer() -> Any:
-    """The presets' tokenizer as mlx-lm's ``TokenizerWrapper``, built in memory."""
-    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
-    from transformers import PreTrainedTokenizerFast
-
-    from mlxq.engine.make_model import BOS, CHAT_TEMPLATE, END, EOS_IDS, EOT, build_tokenizer
-
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=build_tokenizer(), bos_token=BOS, eos_token=EOT, pad_token=END
-    )
-    hf.chat_template = CHAT_TEMPLATE
-    return TokenizerWrapper(hf, BPEStreamingDetokenizer, eos_token_ids=EOS_IDS)
-
-
 def load(args: argparse.Namespace) -> tuple[Any, Any, str]:
     """``(model, tokenizer, name)``: a random-weight preset built in memory, or ``--model``;
     quantized with ``--quantize``, then in the weight format mlxq's worker would pick
