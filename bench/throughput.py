@@ -31,12 +31,9 @@ from typing import Any
 from common import (
     Stopwatch,
     describe_device,
-    fmt_num,
-    fmt_ratio,
     preset_tokenizer,
     quiet_logs,
     redis_url,
-    table,
     use_openblas,
     write_json,
 )
@@ -49,13 +46,9 @@ from modes import (
     run_naive,
     run_raw,
 )
-from workloads import SEED, WORKLOADS, Workload, context_per_token, make_workload, step_bound
-
-MODES = ("naive", "batch_generate", "raw", "mlxq", "mlxq-bg")
-# --prefix-cache: the engine's prefix cache gets this share of the scheduler's KV budget.
-PREFIX_CACHE_SHARE = 0.1
-# --workload realistic: the headline workloads and their uniform twins.
-REALISTIC = ("varied", "varied-twin", "mixed", "mixed-twin")
+from throughput_args import PREFIX_CACHE_SHARE, parse_args
+from throughput_report import model_line, report, struct_dict, twin_ratios, workload_json
+from workloads import SEED, Workload, make_workload
 
 
 # -- model -------------------------------------------------------------------------------
@@ -93,205 +86,7 @@ def token_pool(tokenizer: Any, vocab_size: int) -> list[int]:
     return [i for i in range(min(len(tokenizer), vocab_size)) if i not in special]
 
 
-# -- report ------------------------------------------------------------------------------
-def model_line(info: Any) -> str:
-    size = info.param_bytes / 2**30
-    return (
-        f"model {info.name} ({info.model_type}, {info.num_layers} layers, hidden "
-        f"{info.hidden_size}, {info.dtype}, {size:.2f} GiB)"
-    )
-
-
-def report(header: str, results: list[ModeResult], wl: Workload) -> str:
-    by_mode = {r.mode: r for r in results}
-    base_bg = by_mode["batch_generate"].gen_tps if "batch_generate" in by_mode else None
-    base_raw = by_mode["raw"].gen_tps if "raw" in by_mode else None
-    headers = ["mode", "gen tok/s", "prompt tok/s", "wall s", "gen tokens", "peak GB"]
-    headers += ["vs batch_generate", "vs raw"]
-    rows, notes = [], []
-    for r in results:
-        mark = "*" if r.extrapolated else ""
-        if not r.extrapolated and (r.gen_tokens != r.expected_gen_tokens or r.errors):
-            mark = "!"
-            notes.append(
-                f"! {r.mode}: generated {r.gen_tokens:,} of {r.expected_gen_tokens:,} "
-                f"expected tokens, {r.errors} requests failed or unfinished"
-            )
-        rows.append(
-            [
-                r.mode + mark,
-                fmt_num(r.gen_tps),
-                fmt_num(r.prompt_tps),
-                fmt_num(r.wall_s, 2),
-                f"{r.gen_tokens:,}",
-                fmt_num(r.peak_gb, 2),
-                fmt_ratio(r.gen_tps, base_bg),
-                fmt_ratio(r.gen_tps, base_raw),
-            ]
-        )
-        if r.extrapolated:
-            notes.append(
-                f"* {r.mode}: timed on the first {r.timed_requests} of {len(wl.prompts)} "
-                f"requests ({r.extra['timed_gen_tokens']:,} tokens in "
-                f"{r.extra['timed_wall_s']:.2f} s); wall s and gen tok/s are extrapolated to "
-                f"all {wl.gen_tokens:,} tokens from its prefill and decode rates"
-            )
-        if r.mode.startswith("mlxq"):
-            e = r.extra
-            notes.append(
-                f"  {r.mode}: submit {e['submit_s']:.2f} s + worker {e['worker_s']:.2f} s + "
-                f"read results {e['read_s']:.2f} s (then the worker's exit, not counted: "
-                f"{e['worker_exit_s']:.2f} s)"
-            )
-            if e.get("decode_steps"):  # the slot engine: where the worker's time went
-                notes.append(
-                    f"  {r.mode}: prefill {e['prefill_s']:.2f} s in {e['prefill_calls']:,} calls, "
-                    f"{e['decode_steps']:,} decode "
-                    f"steps {e['decode_seconds']:.2f} s (building and launching them on the "
-                    f"host {e['launch_seconds']:.2f} s), the rest outside the engine "
-                    f"{e['worker_s'] - e['prefill_s'] - e['decode_seconds']:.2f} s"
-                )
-    if (off := by_mode.get("mlxq")) and (on := by_mode.get("mlxq+prefix")):
-        e = on.extra
-        notes.append(
-            f"  prefix cache ({e['prefix_cache_bytes'] / 2**20:.0f} MiB): effective prompt "
-            f"tok/s {fmt_num(off.prompt_tps)} -> {fmt_num(on.prompt_tps)} "
-            f"({fmt_ratio(on.prompt_tps, off.prompt_tps)}); prefilled "
-            f"{off.extra['prefilled_tokens']:,} -> {e['prefilled_tokens']:,} tokens, "
-            f"{e['reused_tokens']:,} reused in {e['prefix_hits']} hits, "
-            f"{e['stored_tokens']:,} stored, {e['prefix_evictions']} evictions"
-        )
-    lines = [header, table(headers, rows), *notes]
-    return "\n".join(lines)
-
-
-# -- main --------------------------------------------------------------------------------
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from mlxq.engine.make_model import PRESETS
-
-    ap = argparse.ArgumentParser(
-        description="Generation throughput: naive, batch_generate, raw BatchGenerator, mlxq.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    src = ap.add_mutually_exclusive_group()
-    src.add_argument(
-        "--preset",
-        default="tiny",
-        choices=sorted(PRESETS),
-        help="random-weight model built in memory",
-    )
-    src.add_argument("--model", help="a model folder or hub id for mlx_lm.load instead")
-    ap.add_argument(
-        "--workload",
-        default="uniform",
-        help="comma-separated: " + ", ".join(WORKLOADS) + "; 'realistic' (varied and mixed "
-        "with their uniform twins) or 'all'",
-    )
-    ap.add_argument("--requests", type=int, default=256, help="requests per workload")
-    ap.add_argument(
-        "--queue-factor",
-        type=int,
-        default=None,
-        help="requests = this many times the batch (overrides --requests): a queue deeper "
-        "than the batch, refilled as jobs finish",
-    )
-    ap.add_argument(
-        "--export-jsonl",
-        metavar="DIR",
-        help="also write each workload as DIR/NAME.jsonl (input for `mlxq run`)",
-    )
-    ap.add_argument("--prompt-tokens", type=int, default=128, help="uniform: prompt length")
-    ap.add_argument(
-        "--gen-tokens",
-        type=int,
-        default=128,
-        help="uniform and prefix: max_tokens (always generated in full)",
-    )
-    ap.add_argument(
-        "--prefix-tokens", type=int, default=1000, help="prefix: length of the shared prefix"
-    )
-    ap.add_argument(
-        "--batch",
-        type=int,
-        default=None,
-        help="mlxq's batch size (also raw's); default: what mlxq picks on this "
-        "device (build_scheduler / auto_max_batch)",
-    )
-    ap.add_argument(
-        "--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES)
-    )
-    ap.add_argument(
-        "--naive-requests",
-        type=int,
-        default=16,
-        help="naive: time only the first N requests and extrapolate (0: all)",
-    )
-    ap.add_argument(
-        "--repeat",
-        type=int,
-        default=1,
-        help="run each mode this many times and report the median-wall run",
-    )
-    ap.add_argument(
-        "--redis-url",
-        default=None,
-        help="mlxq mode: this Redis instead of an embedded Valkey (a private "
-        "queue is used; jobs expire after 10 minutes)",
-    )
-    ap.add_argument(
-        "--prefix-cache",
-        default="off",
-        choices=("off", "on", "both"),
-        help="prefix workload, mlxq mode: run with the engine's prefix cache off, on "
-        f"({PREFIX_CACHE_SHARE:.0%}% of the KV budget), or both, with the prompt tok/s ratio",
-    )
-    ap.add_argument(
-        "--prefill-batch",
-        type=int,
-        help="mlxq's (and raw's) prefill batch size (default: the worker's default)",
-    )
-    ap.add_argument(
-        "--quantize", type=int, choices=(4, 8), help="quantize the weights to this many bits"
-    )
-    ap.add_argument(
-        "--no-warm-modes",
-        dest="warm_modes",
-        action="store_false",
-        help="skip the untimed run of every mode on a short copy of each workload",
-    )
-    ap.add_argument(
-        "--kv-bits", type=int, choices=(4, 8), help="mlxq modes: a quantized slot KV cache"
-    )
-    ap.add_argument(
-        "--dequantize",
-        default="auto",
-        choices=("auto", "on", "off"),
-        help="quantized weights at load, as the worker's --dequantize (auto: dequantized on "
-        "CUDA when they fit); applies to every mode",
-    )
-    ap.add_argument("--json", metavar="PATH", help="also write the figures here")
-    args = ap.parse_args(argv)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = sorted(set(modes) - set(MODES))
-    if bad or not modes:
-        ap.error(f"--modes: unknown {', '.join(bad) or '(none given)'}; choose from {MODES}")
-    args.modes = [m for m in MODES if m in modes]
-    names = [w.strip() for w in args.workload.split(",") if w.strip()]
-    expand = {"all": WORKLOADS, "realistic": REALISTIC}
-    args.workloads = [w for n in names for w in expand.get(n, (n,))]
-    if not args.workloads or (bad := sorted(set(args.workloads) - set(WORKLOADS))):
-        ap.error(f"--workload: unknown {args.workload!r}; choose from {WORKLOADS}")
-    if args.queue_factor is not None and args.queue_factor < 1:
-        ap.error("--queue-factor must be at least 1")
-    if args.requests < 1 or args.prompt_tokens < 1 or args.gen_tokens < 1:
-        ap.error("--requests, --prompt-tokens and --gen-tokens must be at least 1")
-    if args.repeat < 1:
-        ap.error("--repeat must be at least 1")
-    if args.batch is not None and args.batch < 1:
-        ap.error("--batch must be at least 1")
-    return args
-
-
+# -- main -------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     use_openblas()
     args = parse_args(argv)
@@ -336,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = describe_device()
     out: dict[str, Any] = {
-        "model": {**_struct_dict(info)},
+        "model": {**struct_dict(info)},
         "device": device,
         "mlxq_batch": batch,
         "mlxq_batch_source": how,
@@ -380,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             print()
             print(report(header, results, wl))
             sys.stdout.flush()
-            out["workloads"].append(_workload_json(wl, results))
+            out["workloads"].append(workload_json(wl, results))
         if twins := twin_ratios(out["workloads"], batch):
             print()
             print(twins)
@@ -472,33 +267,6 @@ def export_jsonl(workloads: list[Workload], folder: Path) -> None:
     print(f"wrote {len(workloads)} workloads to {folder}/", file=sys.stderr)
 
 
-def twin_ratios(workloads: list[dict[str, Any]], batch: int) -> str:
-    """Each varied workload's gen tok/s over its uniform twin's, mode by mode, and the best
-    ratio a fixed cost per decode step allows (:func:`workloads.step_bound`)."""
-    by_name = {w["workload"]: {m["mode"]: m["gen_tps"] for m in w["modes"]} for w in workloads}
-    bounds = {w["workload"]: step_bound(w["max_tokens"], batch) for w in workloads}
-    context = {
-        w["workload"]: context_per_token(w["prompt_lengths"], w["max_tokens"]) for w in workloads
-    }
-    lines = []
-    for name, modes in by_name.items():
-        twin = by_name.get(f"{name}-twin")
-        if twin is None:
-            continue
-        pairs = [
-            f"{mode} {fmt_ratio(tps, twin.get(mode))}"
-            for mode, tps in modes.items()
-            if mode in twin
-        ]
-        lines.append(
-            f"{name} vs its uniform twin (gen tok/s): " + ", ".join(pairs) + f" (bound at a "
-            f"fixed cost per step, batch {batch}: {bounds[name]:.2f}x; positions a token "
-            f"attends: {context[name] / context[f'{name}-twin']:.2f}x the twin's, which "
-            "costs more where attention is much of a step, as on a CPU)"
-        )
-    return "\n".join(lines)
-
-
 def _variants(wl: Workload, args: argparse.Namespace, budget: int) -> list[tuple[str, int]]:
     """(mode, prefix cache bytes) to run on a workload: the cache off (0) and/or on, per
     ``--prefix-cache``, for the mlxq modes on the prefix workload."""
@@ -510,48 +278,6 @@ def _variants(wl: Workload, args: argparse.Namespace, budget: int) -> list[tuple
             caches = [on] if args.prefix_cache == "on" else [0, on]
         out += [(mode, c) for c in caches]
     return out
-
-
-def _struct_dict(obj: Any) -> dict[str, Any]:
-    import msgspec
-
-    return msgspec.to_builtins(obj)
-
-
-def _workload_json(wl: Workload, results: list[ModeResult]) -> dict[str, Any]:
-    by_mode = {r.mode: r.gen_tps for r in results}
-    rows = []
-    for r in results:
-        row = {
-            "mode": r.mode,
-            "gen_tps": r.gen_tps,
-            "prompt_tps": r.prompt_tps,
-            "wall_s": r.wall_s,
-            "gen_tokens": r.gen_tokens,
-            "expected_gen_tokens": r.expected_gen_tokens,
-            "prompt_tokens": r.prompt_tokens,
-            "peak_gb": r.peak_gb,
-            "errors": r.errors,
-            "extrapolated_from_requests": r.timed_requests,
-            "vs_batch_generate": _ratio(r.gen_tps, by_mode.get("batch_generate")),
-            "vs_raw": _ratio(r.gen_tps, by_mode.get("raw")),
-            **r.extra,
-        }
-        rows.append(row)
-    return {
-        "workload": wl.name,
-        "label": wl.label,
-        "requests": len(wl.prompts),
-        "max_tokens": wl.max_tokens,
-        "prompt_lengths": [len(p) for p in wl.prompts],
-        "prompt_tokens": wl.prompt_tokens,
-        "gen_tokens": wl.gen_tokens,
-        "modes": rows,
-    }
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 if __name__ == "__main__":
