@@ -119,7 +119,7 @@ def engine(tiny) -> Engine:
 
 
 def test_mixed_batch_free_rows_stay_greedy_and_constrained_rows_conform(tiny, engine):
-    from tests.test_engine import reference
+    from engine_reference import reference
 
     model, tokenizer = tiny
     free = {

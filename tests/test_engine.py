@@ -7,79 +7,17 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import make_logits_processors
+from engine_reference import REQUESTS, FlakyModel, check_against_reference, reference, run_all
 from mlx_lm.utils import load_tokenizer
 
-from mlxq.engine.mlx_lm_batch import Completion, Engine, EngineJob, JobInputError
+from mlxq.engine.mlx_lm_batch import Engine, EngineJob, JobInputError
 from mlxq.wire import Message, Request
-
-REQUESTS = [
-    Request(prompt="The capital of France is", max_tokens=20),
-    Request(prompt="Once upon a time there was a little town by the sea, where people worked"),
-    Request(prompt=[5, 6, 7], max_tokens=24),
-    Request(prompt=list(range(10, 90)), max_tokens=12),
-    Request(messages=[Message("system", "Be brief."), Message("user", "Capital of France?")]),
-    Request(prompt="def hello(name):", max_tokens=30),
-]
-for _r in REQUESTS[1::3]:
-    _r.max_tokens = 16
 
 
 @pytest.fixture
 def engine(tiny) -> Engine:
     model, tokenizer = tiny
     return Engine.from_loaded(model, tokenizer, "tiny")
-
-
-def reference(model, tokenizer, tokens: list[int], request: Request) -> dict[str, Any]:
-    """mlx-lm's single-request greedy generation: tokens (EOS excluded), logprobs, text."""
-    processors = None
-    if request.repetition_penalty is not None:
-        processors = make_logits_processors(repetition_penalty=request.repetition_penalty)
-    out, logprobs = [], []
-    steps = generate_step(
-        mx.array(tokens), model, max_tokens=request.max_tokens, logits_processors=processors
-    )
-    for token, lp in steps:
-        if token in tokenizer.eos_token_ids:
-            break
-        out.append(token)
-        logprobs.append(lp)
-    # Like mlx_lm.batch_generate, the text is the decode of the ids.
-    return {"tokens": out, "logprobs": logprobs, "text": tokenizer.decode(out)}
-
-
-def run_all(engine: Engine, jobs: dict[str, Request], join_every: int = 0) -> dict[str, Completion]:
-    """Run jobs to completion; with ``join_every``, admit one job every that many steps."""
-    pending = list(jobs.items())
-    done: dict[str, Completion] = {}
-    steps = 0
-    while pending or engine.active:
-        while pending and (not join_every or steps % join_every == 0 or not engine.active):
-            key, request = pending.pop(0)
-            failed = engine.add(EngineJob(key, request))
-            if failed is not None:
-                done[key] = failed
-            if join_every:
-                break
-        for c in engine.step():
-            done[c.key] = c
-        steps += 1
-    return done
-
-
-def check_against_reference(tiny, engine: Engine, done: dict[str, Completion]) -> None:
-    model, tokenizer = tiny
-    for i, request in enumerate(REQUESTS):
-        tokens = engine.encode(request)
-        ref = reference(model, tokenizer, tokens, request)
-        c = done[str(i)]
-        assert c.token_ids == ref["tokens"], f"request {i}"
-        assert c.text == ref["text"]
-        assert c.prompt_tokens == len(tokens)
-        expected = "length" if len(ref["tokens"]) == request.max_tokens else "stop"
-        assert c.finish_reason == expected
 
 
 def test_batched_greedy_equals_single_requests(tiny, engine: Engine) -> None:
@@ -342,22 +280,6 @@ def test_cancel_during_prefill(tiny) -> None:
     for key, request in (("short", REQUESTS[2]), ("late", REQUESTS[0])):
         ref = reference(model, tokenizer, engine.encode(request), request)["tokens"]
         assert done[key].token_ids == ref
-
-
-class FlakyModel:
-    """Delegates to a model but raises while ``fail`` is set, like running out of memory."""
-
-    def __init__(self, model: Any) -> None:
-        self.inner = model
-        self.fail = False
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.fail:
-            raise RuntimeError("[metal::malloc] Attempting to allocate 99 GB\nwhich is too much")
-        return self.inner(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 def test_model_error_fails_the_batch_and_engine_recovers(tiny) -> None:

@@ -16,9 +16,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import pytest
+from engine_reference import REQUESTS, check_against_reference, run_all
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
-from test_engine import REQUESTS, check_against_reference, run_all
 
 from mlxq.engine import fused_projections, slot_choices
 from mlxq.engine.fused_projections import Part, fuse_projections

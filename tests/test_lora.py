@@ -9,9 +9,9 @@ from typing import Any
 import mlx.core as mx
 import mlx_lm
 import pytest
+from engine_reference import reference, run_all
 from mlx.utils import tree_flatten
 from mlx_lm.tuner.utils import linear_to_lora_layers
-from test_engine import reference, run_all
 
 from mlxq.engine.mlx_lm_batch import Engine
 from mlxq.wire import Request

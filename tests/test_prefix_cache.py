@@ -7,8 +7,8 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from engine_reference import FlakyModel, reference, run_all
 from mlx_lm.models.cache import KVCache
-from test_engine import FlakyModel, reference, run_all
 
 from mlxq.engine.mlx_lm_batch import Completion, Engine, EngineJob
 from mlxq.engine.prefix_cache import DEFAULT_BLOCK, PrefixCache

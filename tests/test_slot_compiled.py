@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 import pytest
-from test_engine import REQUESTS, check_against_reference, reference, run_all
+from engine_reference import REQUESTS, check_against_reference, reference, run_all
 
 from mlxq.engine import slot_choices, slot_decode, slot_engine
 from mlxq.engine.attention import gqa_decode

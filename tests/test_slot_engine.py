@@ -16,8 +16,8 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 import test_engine as base
+from engine_reference import REQUESTS, FlakyModel, check_against_reference, reference, run_all
 from mlx_lm.utils import load_tokenizer
-from test_engine import REQUESTS, FlakyModel, check_against_reference, reference, run_all
 
 from mlxq.engine import slot_choices, slot_decode, slot_engine, slot_order
 from mlxq.engine.attention import KERNELS, choose_kernel, fused_decode, gqa_decode

@@ -10,8 +10,8 @@ from typing import Any
 import mlx.core as mx
 import mlx_lm
 import pytest
+from engine_reference import REQUESTS, check_against_reference, run_all
 from mlx_lm.generate import generate_step
-from test_engine import REQUESTS, check_against_reference, run_all
 
 from mlxq.engine import slot_choices
 from mlxq.engine.factory import make_engine
