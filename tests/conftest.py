@@ -52,3 +52,35 @@ def tiny(tiny_model_dir: Path) -> tuple[Any, Any]:
     import mlx_lm
 
     return mlx_lm.load(str(tiny_model_dir))
+
+
+# -- mlxq api (test_api.py, test_api_files.py) ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ports(valkey_url: str) -> Iterator[tuple[int, int]]:
+    """Two API processes' worth of servers on one Redis: A polls lazily, B also sweeps."""
+    from api_servers import serve
+
+    a, ta, port_a = serve(valkey_url, sweep_interval=0)
+    b, tb, port_b = serve(valkey_url, sweep_interval=0.2)
+    yield port_a, port_b
+    for server, thread in ((a, ta), (b, tb)):
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture
+def client(ports: tuple[int, int], conn: redis.Redis) -> Any:
+    """An ``openai`` client of server A (Redis flushed: ``conn``)."""
+    from api_servers import api_client
+
+    return api_client(ports[0])
+
+
+@pytest.fixture
+def client_b(ports: tuple[int, int], conn: redis.Redis) -> Any:
+    """An ``openai`` client of server B."""
+    from api_servers import api_client
+
+    return api_client(ports[1])

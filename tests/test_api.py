@@ -1,142 +1,33 @@
 """``mlxq api`` end to end: the official ``openai`` client against real uvicorn servers, a
-real Valkey and a real worker running the tiny model."""
+real Valkey and a real worker running the tiny model (the servers: ``api_servers.py``;
+files, keys and upload limits: ``test_api_files.py``)."""
 
 from __future__ import annotations
 
-import http.client
 import json
-import socket
-import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
 import openai
 import pytest
-import uvicorn
-from click.testing import CliRunner
-from openai import OpenAI
+from api_servers import (
+    CHAT,
+    COMPLETIONS,
+    MODEL,
+    chat_line,
+    completion_line,
+    create,
+    read_jsonl,
+    run_tiny_worker,
+    upload,
+    wait_final,
+)
 
-from mlxq.api import api_command
 from mlxq.api import redis_keys as rk
-from mlxq.api.app import ApiSettings, create_app
 from mlxq.broker import keys
 from mlxq.wire import WorkerInfo
-from mlxq.worker.launch import run_worker
-from mlxq.worker.profile import WorkerProfile
-
-KEY, OTHER_KEY = "sk-mlxq-test-1", "sk-mlxq-test-2"
-MODEL = "tiny"  # the queue is the model's last path component: the tiny model's folder
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-MAX_UPLOAD = 16 * 1024
-MAX_LINES = 20
-FINAL = {"completed", "failed", "cancelled", "expired"}
-
-
-# -- servers and clients ------------------------------------------------------------------
-
-
-def _serve(valkey_url: str, sweep_interval: float) -> tuple[uvicorn.Server, threading.Thread, int]:
-    settings = ApiSettings(
-        redis_url=valkey_url,
-        api_keys=[KEY, OTHER_KEY],
-        max_upload_bytes=MAX_UPLOAD,
-        max_lines=MAX_LINES,
-        sweep_interval=sweep_interval,
-    )
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "the API server did not start"
-        time.sleep(0.02)
-    return server, thread, sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def ports(valkey_url: str) -> Iterator[tuple[int, int]]:
-    """Two API processes' worth of servers on one Redis: A polls lazily, B also sweeps."""
-    a, ta, port_a = _serve(valkey_url, sweep_interval=0)
-    b, tb, port_b = _serve(valkey_url, sweep_interval=0.2)
-    yield port_a, port_b
-    for server, thread in ((a, ta), (b, tb)):
-        server.should_exit = True
-        thread.join(10)
-
-
-def _client(port: int, key: str = KEY) -> OpenAI:
-    return OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
-
-
-@pytest.fixture
-def client(ports, conn) -> OpenAI:
-    return _client(ports[0])
-
-
-@pytest.fixture
-def client_b(ports, conn) -> OpenAI:
-    return _client(ports[1])
-
-
-# -- helpers ------------------------------------------------------------------------------
-
-
-def chat_line(cid: str, text: str, **body: Any) -> dict:
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": 4,
-        **body,
-    }
-    return {"custom_id": cid, "method": "POST", "url": CHAT, "body": body}
-
-
-def completion_line(cid: str, prompt: Any, **body: Any) -> dict:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, **body}
-    return {"custom_id": cid, "method": "POST", "url": COMPLETIONS, "body": body}
-
-
-def jsonl(lines: list[Any]) -> bytes:
-    return b"".join(
-        (ln if isinstance(ln, bytes) else json.dumps(ln).encode()) + b"\n" for ln in lines
-    )
-
-
-def upload(client: OpenAI, lines: list[Any]) -> str:
-    return client.files.create(file=("input.jsonl", jsonl(lines)), purpose="batch").id
-
-
-def create(client: OpenAI, file_id: str, endpoint: str = COMPLETIONS, **kw: Any):
-    return client.batches.create(
-        input_file_id=file_id, endpoint=endpoint, completion_window="24h", **kw
-    )
-
-
-def wait_final(client: OpenAI, batch_id: str, timeout: float = 30):
-    deadline = time.monotonic() + timeout
-    while True:
-        batch = client.batches.retrieve(batch_id)
-        if batch.status in FINAL:
-            return batch
-        assert time.monotonic() < deadline, f"batch still {batch.status}"
-        time.sleep(0.1)
-
-
-def read_jsonl(client: OpenAI, file_id: str) -> dict[str, dict]:
-    text = client.files.content(file_id).text
-    return {row["custom_id"]: row for row in map(json.loads, text.splitlines())}
-
-
-def run_tiny_worker(tiny_model: str, conn) -> None:
-    run_worker(WorkerProfile(model=tiny_model, max_batch=4), conn, burst=True, queues=[MODEL])
-
 
 # -- the whole flow -----------------------------------------------------------------------
 
@@ -356,74 +247,3 @@ def test_models_lists_what_live_workers_serve(client, conn):
     models = client.models.list()
     assert [m.id for m in models] == ["mlx-community/Foo-4bit", "tiny"]
     assert all(m.owned_by == "mlxq" for m in models)
-
-
-def test_files_round_trip(client, conn):
-    data = jsonl([completion_line("a", "Hi")])
-    created = client.files.create(file=("mine.jsonl", data), purpose="batch")
-    assert created.id.startswith("file-") and created.bytes == len(data)
-    got = client.files.retrieve(created.id)
-    assert (got.filename, got.purpose, got.status) == ("mine.jsonl", "batch", "processed")
-    assert client.files.content(created.id).content == data
-    assert client.files.delete(created.id).deleted is True
-    with pytest.raises(openai.NotFoundError, match="No such File"):
-        client.files.retrieve(created.id)
-
-
-def test_api_keys_are_required(ports, conn):
-    port = ports[0]
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models")
-    with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(req)
-    assert e.value.code == 401
-    error = json.loads(e.value.read())["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["code"] == "invalid_api_key"
-    with pytest.raises(openai.AuthenticationError):
-        _client(port, "sk-wrong").models.list()
-    assert _client(port, OTHER_KEY).models.list().data == []
-
-
-def test_upload_limits(client, ports, conn):
-    with pytest.raises(openai.APIStatusError) as e:
-        client.files.create(file=("big.jsonl", b"x" * (MAX_UPLOAD + 1)), purpose="batch")
-    assert e.value.status_code == 413 and e.value.body["code"] == "file_too_large"
-    lines = [completion_line(f"r{i}", "Hi") for i in range(MAX_LINES + 1)]
-    with pytest.raises(openai.BadRequestError, match="at most 20"):
-        upload(client, lines)
-    with pytest.raises(openai.BadRequestError, match="purpose"):
-        client.files.create(file=("a.jsonl", b"{}\n"), purpose="fine-tune")
-    assert _chunked_upload(ports[0], b"x" * (MAX_UPLOAD + 70_000)) == 413
-
-
-def _chunked_upload(port: int, payload: bytes) -> int:
-    """POST /v1/files without a Content-Length (chunked), as a streaming client would."""
-    boundary = "mlxqtestboundary"
-    head = (
-        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
-        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n'
-        "Content-Type: application/octet-stream\r\n\r\n"
-    ).encode()
-    tail = f"\r\n--{boundary}--\r\n".encode()
-    chunks = [head, *(payload[i : i + 8192] for i in range(0, len(payload), 8192)), tail]
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    headers = {
-        "Authorization": f"Bearer {KEY}",
-        "Content-Type": f"multipart/form-data; boundary={boundary}",
-    }
-    try:
-        conn.request("POST", "/v1/files", body=iter(chunks), headers=headers, encode_chunked=True)
-        return conn.getresponse().status
-    finally:
-        conn.close()
-
-
-# -- pieces -------------------------------------------------------------------------------
-
-
-def test_command_refuses_to_serve_without_keys_or_open_without_auth(tmp_path):
-    runner = CliRunner()
-    no_keys = runner.invoke(api_command, [], env={"MLXQ_API_KEYS": ""})
-    assert no_keys.exit_code == 2 and "no API keys" in no_keys.output
-    open_ = runner.invoke(api_command, ["--no-auth", "--host", "0.0.0.0"])
-    assert open_.exit_code == 2 and "loopback" in open_.output

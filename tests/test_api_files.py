@@ -1,0 +1,96 @@
+"""``mlxq api``'s files, API keys and upload limits, and the command's refusals, through
+the official ``openai`` client and raw HTTP."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from api_servers import (
+    KEY,
+    MAX_LINES,
+    MAX_UPLOAD,
+    OTHER_KEY,
+    api_client,
+    completion_line,
+    jsonl,
+    upload,
+)
+from click.testing import CliRunner
+
+from mlxq.api import api_command
+
+
+def test_files_round_trip(client, conn):
+    data = jsonl([completion_line("a", "Hi")])
+    created = client.files.create(file=("mine.jsonl", data), purpose="batch")
+    assert created.id.startswith("file-") and created.bytes == len(data)
+    got = client.files.retrieve(created.id)
+    assert (got.filename, got.purpose, got.status) == ("mine.jsonl", "batch", "processed")
+    assert client.files.content(created.id).content == data
+    assert client.files.delete(created.id).deleted is True
+    with pytest.raises(openai.NotFoundError, match="No such File"):
+        client.files.retrieve(created.id)
+
+
+def test_api_keys_are_required(ports, conn):
+    port = ports[0]
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req)
+    assert e.value.code == 401
+    error = json.loads(e.value.read())["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        api_client(port, "sk-wrong").models.list()
+    assert api_client(port, OTHER_KEY).models.list().data == []
+
+
+def test_upload_limits(client, ports, conn):
+    with pytest.raises(openai.APIStatusError) as e:
+        client.files.create(file=("big.jsonl", b"x" * (MAX_UPLOAD + 1)), purpose="batch")
+    assert e.value.status_code == 413 and e.value.body["code"] == "file_too_large"
+    lines = [completion_line(f"r{i}", "Hi") for i in range(MAX_LINES + 1)]
+    with pytest.raises(openai.BadRequestError, match="at most 20"):
+        upload(client, lines)
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        client.files.create(file=("a.jsonl", b"{}\n"), purpose="fine-tune")
+    assert _chunked_upload(ports[0], b"x" * (MAX_UPLOAD + 70_000)) == 413
+
+
+def _chunked_upload(port: int, payload: bytes) -> int:
+    """POST /v1/files without a Content-Length (chunked), as a streaming client would."""
+    boundary = "mlxqtestboundary"
+    head = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n'
+        "Content-Type: application/octet-stream\r\n\r\n"
+    ).encode()
+    tail = f"\r\n--{boundary}--\r\n".encode()
+    chunks = [head, *(payload[i : i + 8192] for i in range(0, len(payload), 8192)), tail]
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    headers = {
+        "Authorization": f"Bearer {KEY}",
+        "Content-Type": f"multipart/form-data; boundary={boundary}",
+    }
+    try:
+        conn.request("POST", "/v1/files", body=iter(chunks), headers=headers, encode_chunked=True)
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+# -- pieces -------------------------------------------------------------------------------
+
+
+def test_command_refuses_to_serve_without_keys_or_open_without_auth(tmp_path):
+    runner = CliRunner()
+    no_keys = runner.invoke(api_command, [], env={"MLXQ_API_KEYS": ""})
+    assert no_keys.exit_code == 2 and "no API keys" in no_keys.output
+    open_ = runner.invoke(api_command, ["--no-auth", "--host", "0.0.0.0"])
+    assert open_.exit_code == 2 and "loopback" in open_.output
