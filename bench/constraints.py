@@ -68,8 +68,8 @@ SCHEMA = {
 
 
 def load(preset: str, path: str | None = None) -> tuple[Any, Any]:
-    """The model at ``path`` or, without one, the preset with random weights, built in
-    memory (an 8B shape writes no 16 GB to disk); loaded by mlx-lm."""
+    """The model at ``path`` (loaded by mlx-lm) or, without one, the preset with random
+    weights built in memory (an 8B shape writes no 16 GB to disk) and its tokenizer."""
     if path:
         import mlx_lm
 
