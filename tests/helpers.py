@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -28,6 +29,25 @@ def run_mlxq(
         text=True,
         timeout=timeout,
     )
+
+
+def start_submit(url: str, path: Path, queue: str) -> tuple[subprocess.Popen, str]:
+    """Start ``mlxq submit PATH --queue QUEUE`` and read the batch id it prints before
+    enqueueing; returns the process (stderr piped) and the batch id."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxq", "submit", str(path), "--queue", queue],
+        cwd=ROOT,
+        env={**os.environ, "MLXQ_REDIS_URL": url},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        found = re.search(r"batch (b[0-9a-f]+): enqueueing", line)
+        if found:
+            return proc, found.group(1)
+    raise AssertionError("submit did not print the batch id before enqueueing")
 
 
 def free_port() -> int:

@@ -4,14 +4,17 @@ The batch record is written before any job (state ``submitting``), so a submit t
 half way leaves a batch that ``mlxq status`` shows with how many were enqueued. Each chunk
 of jobs, their ids in the batch's list and their counters are one transaction, so the jobs
 enqueued are always the first N by index: ``resume`` enqueues from N on, none twice. A
-short-lived key (``keys.batch_submitter``), refreshed per chunk, tells a live submit from a
-dead one.
+short-lived key (``keys.batch_submitter``), refreshed per chunk, is the submit's lease: it
+tells a live submit from a dead one, and every chunk is written only while its submit still
+holds it (checked inside the chunk's transaction), so a submit paused past its lease while a
+``resume`` took over stops instead of enqueueing its lines a second time.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -23,11 +26,17 @@ from rq import Queue, Retry
 from mlxq.broker import keys
 from mlxq.broker.batches import CHUNK, _batch_info_decoder, get_batch, make_queue, new_batch_id
 from mlxq.broker.rq_store import counters
+from mlxq.errors import StartupError
 from mlxq.wire import BatchInfo, JobMeta, Request, json_encoder
 
 
 class ResumeRefused(ValueError):
     """A ``--resume`` that cannot go ahead (different file, already complete, cancelled)."""
+
+
+class LeaseLost(StartupError):
+    """Another submit took the batch over while this one was paused past its lease; this one
+    stopped before writing anything twice (reported as one line, like a start-up error)."""
 
 
 def submit(
@@ -55,6 +64,7 @@ def submit(
     (their results say ``expired``). ``on_jobs`` gets each chunk's job ids.
     """
     created = time.time()
+    lease = _new_lease()
     info = BatchInfo(
         batch_id=batch_id or new_batch_id(),
         queue=queue,
@@ -70,13 +80,13 @@ def submit(
         result_ttl=result_ttl,
     )
     with conn.pipeline() as pipe:
-        pipe.set(keys.batch_submitter(info.batch_id), _submitter(), ex=SUBMITTER_TTL)
+        pipe.set(keys.batch_submitter(info.batch_id), lease, ex=SUBMITTER_TTL)
         pipe.set(keys.batch_info(info.batch_id), json_encoder.encode(info), ex=keys.BATCH_TTL)
         pipe.zadd(keys.batches(), {info.batch_id: info.created_at})
         pipe.execute()
     if on_created:
         on_created(info)
-    return _enqueue_rest(conn, info, requests, 0, on_progress, on_jobs)
+    return _enqueue_rest(conn, info, requests, 0, lease, on_progress, on_jobs)
 
 
 def resume(
@@ -98,26 +108,33 @@ def resume(
             f"({info.total} requests from {info.source or 'another file'}); resume with the "
             "same file (and the same --skip-invalid)"
         )
-    if not conn.set(keys.batch_submitter(batch_id), _submitter(), ex=SUBMITTER_TTL, nx=True):
+    lease = _new_lease()
+    if not conn.set(keys.batch_submitter(batch_id), lease, ex=SUBMITTER_TTL, nx=True):
         raise ResumeRefused(
             f"batch {batch_id} is still being submitted by {_who(conn, batch_id)}; wait for it"
         )
     done = conn.llen(keys.batch_jobs(batch_id))
     if on_progress and done:
         on_progress(done)
-    return _enqueue_rest(conn, info, requests, done, on_progress, None), done
+    return _enqueue_rest(conn, info, requests, done, lease, on_progress, None), done
 
 
 SUBMITTER_TTL = 30  # a submit that stops refreshing this for 30 s is taken for dead
+_LEASE_SEP = " lease "  # the lease's value: who holds it, then a token only that submit knows
 
 
-def _submitter() -> str:
-    return f"pid {os.getpid()} on {socket.gethostname()}"
+def _new_lease() -> bytes:
+    who = f"pid {os.getpid()} on {socket.gethostname()}"
+    return f"{who}{_LEASE_SEP}{secrets.token_hex(8)}".encode()
+
+
+def _holder(raw: bytes | None) -> str:
+    """Who holds a lease, for messages (its token left out)."""
+    return raw.decode(errors="replace").split(_LEASE_SEP)[0] if raw else "another process"
 
 
 def _who(conn: redis.Redis, batch_id: str) -> str:
-    raw = conn.get(keys.batch_submitter(batch_id))
-    return raw.decode() if raw else "another process"
+    return _holder(conn.get(keys.batch_submitter(batch_id)))
 
 
 def requests_digest(requests: Sequence[Request]) -> str:
@@ -138,64 +155,99 @@ def _enqueue_rest(
     info: BatchInfo,
     requests: Sequence[Request],
     start: int,
+    lease: bytes,
     on_progress: Callable[[int], None] | None,
     on_jobs: Callable[[list[str]], None] | None,
 ) -> BatchInfo:
     q = make_queue(conn, info.queue)
     retry = Retry(max=info.retries) if info.retries > 0 else None
-    for at in range(start, len(requests), CHUNK):
-        chunk = requests[at : at + CHUNK]
-        datas = [_job_data(req, info, at + i, retry) for i, req in enumerate(chunk)]
-        ids = _enqueue_chunk(conn, q, info.batch_id, datas)
-        if on_jobs:
-            on_jobs(ids)
-        if on_progress:
-            on_progress(len(chunk))
-    return _mark_submitted(conn, info)
+    try:
+        for at in range(start, len(requests), CHUNK):
+            chunk = requests[at : at + CHUNK]
+            datas = [_job_data(req, info, at + i, retry) for i, req in enumerate(chunk)]
+            ids = _enqueue_chunk(conn, q, info.batch_id, datas, at, lease)
+            if on_jobs:
+                on_jobs(ids)
+            if on_progress:
+                on_progress(len(chunk))
+        return _mark_submitted(conn, info)
+    finally:
+        _let_go(conn, info.batch_id, lease)
 
 
-def _enqueue_chunk(conn: redis.Redis, q: Queue, batch_id: str, datas: list) -> list[str]:
-    """One chunk of jobs, their ids and their counters in one transaction, unless the batch
-    was cancelled (its record is watched: a cancel between the look and the write wins)."""
+def _enqueue_chunk(
+    conn: redis.Redis, q: Queue, batch_id: str, datas: list, at: int, lease: bytes
+) -> list[str]:
+    """One chunk of jobs, their ids and their counters in one transaction, written only if
+    the batch is not cancelled and this submit still holds its lease with the batch's first
+    ``at`` jobs enqueued. The record, the lease and the job list are watched, so a cancel or
+    a ``resume`` taking over between the look and the write aborts the write."""
+    watched = (keys.batch_info(batch_id), keys.batch_submitter(batch_id), keys.batch_jobs(batch_id))
     with conn.pipeline() as pipe:
         while True:
             try:
-                pipe.watch(keys.batch_info(batch_id))
+                pipe.watch(*watched)
                 raw = pipe.get(keys.batch_info(batch_id))
                 if raw is None or _batch_info_decoder.decode(raw).state == "cancelled":
                     raise BatchCancelled(f"batch {batch_id} was cancelled while submitting")
+                _check_lease(pipe, batch_id, at, lease)
                 pipe.multi()
                 jobs = q.enqueue_many(datas, pipeline=pipe)
                 ids = [j.id for j in jobs]
                 pipe.rpush(keys.batch_jobs(batch_id), *ids)
                 pipe.expire(keys.batch_jobs(batch_id), keys.BATCH_TTL)
                 counters.mark_submitted(pipe, ids, batch_id)
-                pipe.expire(keys.batch_submitter(batch_id), SUBMITTER_TTL)
+                pipe.set(keys.batch_submitter(batch_id), lease, ex=SUBMITTER_TTL)
                 pipe.execute()
                 return ids
             except redis.WatchError:
                 pipe.reset()
 
 
-def _mark_submitted(conn: redis.Redis, info: BatchInfo) -> BatchInfo:
-    """The record as ``submitted`` (unless cancelled meanwhile); the lease is let go."""
-    done = msgspec.structs.replace(info, state="submitted")
-    try:
-        with conn.pipeline() as pipe:
-            try:
-                pipe.watch(keys.batch_info(info.batch_id))
-                raw = pipe.get(keys.batch_info(info.batch_id))
-                current = _batch_info_decoder.decode(raw) if raw else info
-                if current.state != "submitting":
-                    return current
+def _check_lease(pipe: redis.client.Pipeline, batch_id: str, at: int, lease: bytes) -> None:
+    """Raise :class:`LeaseLost` unless the lease is this submit's (or lapsed with nobody
+    taking it) and exactly the ``at`` jobs before this chunk are enqueued."""
+    holder = pipe.get(keys.batch_submitter(batch_id))
+    enqueued = pipe.llen(keys.batch_jobs(batch_id))
+    if holder in (None, lease) and enqueued == at:
+        return
+    by = f" ({_holder(holder)})" if holder not in (None, lease) else ""
+    raise LeaseLost(
+        f"batch {batch_id}: another submit{by} took over while this one was paused past its "
+        f"{SUBMITTER_TTL} s lease; this one stopped at line {at + 1} without enqueueing "
+        f"anything twice (see `mlxq status {batch_id}`)"
+    )
+
+
+def _let_go(conn: redis.Redis, batch_id: str, lease: bytes) -> None:
+    """Delete the lease if it is still this submit's (never another submit's)."""
+    with conn.pipeline() as pipe:
+        try:
+            pipe.watch(keys.batch_submitter(batch_id))
+            if pipe.get(keys.batch_submitter(batch_id)) == lease:
                 pipe.multi()
-                pipe.set(keys.batch_info(info.batch_id), json_encoder.encode(done), keepttl=True)
+                pipe.delete(keys.batch_submitter(batch_id))
                 pipe.execute()
-                return done
-            except redis.WatchError:
-                return get_batch(conn, info.batch_id)  # cancelled in the meantime
-    finally:
-        conn.delete(keys.batch_submitter(info.batch_id))
+        except redis.WatchError:
+            pass  # taken over meanwhile: it is not ours to delete
+
+
+def _mark_submitted(conn: redis.Redis, info: BatchInfo) -> BatchInfo:
+    """The record as ``submitted`` (unless cancelled meanwhile)."""
+    done = msgspec.structs.replace(info, state="submitted")
+    with conn.pipeline() as pipe:
+        try:
+            pipe.watch(keys.batch_info(info.batch_id))
+            raw = pipe.get(keys.batch_info(info.batch_id))
+            current = _batch_info_decoder.decode(raw) if raw else info
+            if current.state != "submitting":
+                return current
+            pipe.multi()
+            pipe.set(keys.batch_info(info.batch_id), json_encoder.encode(done), keepttl=True)
+            pipe.execute()
+            return done
+        except redis.WatchError:
+            return get_batch(conn, info.batch_id)  # cancelled in the meantime
 
 
 def _job_data(req: Request, info: BatchInfo, index: int, retry: Retry | None):  # EnqueueData

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from mlxq.broker import fleet, keys
 from mlxq.broker.rq_store import reads, rq_keys
 from mlxq.server import make_server
 from tests.faults.test_faults import ROOT, assert_books_balance, start_worker, submit, wait_until
-from tests.helpers import run_mlxq
+from tests.helpers import run_mlxq, start_submit
 
 pytestmark = pytest.mark.slow
 N = 60_000  # big enough that a submit is killed long before it ends (~10k jobs/s)
@@ -34,21 +33,7 @@ def _prompts(tmp_path: Path, n: int = N) -> Path:
 def _kill_submit_midway(url: str, conn, path: Path) -> str:
     """Start `mlxq submit`, read the batch id it prints first, SIGKILL it once some jobs
     are in; returns the batch id."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlxq", "submit", str(path), "--queue", "big"],
-        cwd=ROOT,
-        env={**os.environ, "MLXQ_REDIS_URL": url},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    batch_id = None
-    for line in proc.stderr:
-        found = re.search(r"batch (b[0-9a-f]+): enqueueing", line)
-        if found:
-            batch_id = found.group(1)
-            break
-    assert batch_id, "submit did not print the batch id before enqueueing"
+    proc, batch_id = start_submit(url, path, "big")
     wait_until(lambda: conn.llen(keys.batch_jobs(batch_id)) > 0, 60, "the first chunk")
     proc.kill()
     proc.wait()
