@@ -104,8 +104,10 @@ class Step:
     logprobs: mx.array  # [rows, vocab]
 
     def position(self) -> dict[int, int]:
-        """Row index in this step by slot."""
-        return {r.slot: i for i, r in enumerate(self.rows)}
+        """Row index in this step by row identity (``id``). Not by slot: a sort between
+        steps moves live rows into the slots of rows that finished meanwhile, which this
+        step still holds with their old slot numbers."""
+        return {id(r): i for i, r in enumerate(self.rows)}
 
     def picked_logprobs(
         self, tokens: list[int], live: list[tuple[int, Row]], eos: set[int]
@@ -143,14 +145,7 @@ def run_forward(
     compiled over every slot. Advances each row's cache length by one.
     """
     width = cache.slots if forward is not None else rows[-1].slot + 1
-    if prev is not None and len(rows) == width and prev.rows == rows:
-        # The usual step: the same rows as the last one, filling slots 0..width-1 (rows
-        # are in slot order), so its sampled tokens are the inputs as they are.
-        lengths = [cache.lengths[r.slot] for r in rows]
-        cache.reserve(max(lengths) + 1)
-        inputs = prev.sampled
-    else:
-        lengths, inputs = _gathered_inputs(cache, rows, prev, width)
+    lengths, inputs = step_inputs(cache, rows, prev, width)
     if forward is not None:
         logits = forward(inputs, mx.array(lengths))
     else:
@@ -164,12 +159,27 @@ def run_forward(
     return logits
 
 
+def step_inputs(
+    cache: SlotCache, rows: list[Row], prev: Step | None, width: int
+) -> tuple[list[int], mx.array]:
+    """Each of slots ``0..width-1``'s length and input token for a step of ``rows`` (slot
+    order); reserves the cache room the step writes. A row carried over from ``prev``
+    (found by identity, whatever slot it holds now) takes its token there, on the device;
+    any other row its host ``next_input``."""
+    if prev is not None and len(rows) == width and prev.rows == rows:
+        # The usual step: the same rows as the last one, filling slots 0..width-1 (rows
+        # are in slot order), so its sampled tokens are the inputs as they are.
+        lengths = [cache.lengths[r.slot] for r in rows]
+        cache.reserve(max(lengths) + 1)
+        return lengths, prev.sampled
+    return _gathered_inputs(cache, rows, prev, width)
+
+
 def _gathered_inputs(
     cache: SlotCache, rows: list[Row], prev: Step | None, width: int
 ) -> tuple[list[int], mx.array]:
-    """Each slot's length and input token (a free slot's: 0 and 0); a row carried over
-    from ``prev`` takes its token there, on the device. Token ids as ``uint32``, what
-    sampling gives, so a compiled forward sees one input type."""
+    """Each slot's length and input token (a free slot's: 0 and 0). Token ids as
+    ``uint32``, what sampling gives, so a compiled forward sees one input type."""
     by_slot: list[Row | None] = [None] * width
     for r in rows:
         by_slot[r.slot] = r
@@ -178,11 +188,23 @@ def _gathered_inputs(
     inputs = mx.array([0 if r is None else r.next_input for r in by_slot], dtype=mx.uint32)
     if prev is not None:
         at = prev.position()
-        carried = [r is not None and r.slot in at and prev.rows[at[r.slot]] is r for r in by_slot]
+        carried = [r is not None and id(r) in at for r in by_slot]
         if any(carried):
-            idx = mx.array([at[s] if c else 0 for s, c in enumerate(carried)])
+            idx = mx.array([at[id(r)] if c else 0 for r, c in zip(by_slot, carried, strict=True)])
             inputs = mx.where(mx.array(carried), prev.sampled[idx], inputs)
     return lengths, inputs
+
+
+def move_rows(rows: dict[int, Row], order: list[int]) -> dict[int, Row]:
+    """The rows by their new slot after slot ``order[i]`` moved to slot ``i`` (as
+    :meth:`~mlxq.engine.slot_cache.SlotCache.permute` moves their cache); each row's
+    ``slot`` follows. A step in flight still finds them: it goes by identity."""
+    moved = {}
+    for slot, old in enumerate(order):
+        row = rows[old]
+        row.slot = slot
+        moved[slot] = row
+    return moved
 
 
 def sample_step(rows: list[Row], logits: mx.array, hooks: list[BatchLogitsHook]) -> Step:

@@ -254,11 +254,8 @@ class SlotEngine(Stepping, Joining):
         if order is None:
             return
         self._cache.permute(order)
-        rows = [self._rows[s] for s in order]
-        self._rows = {}
-        for slot, row in enumerate(rows):
-            row.slot = slot  # a step in flight finds its rows by identity and slot
-            self._rows[slot] = row
+        self._rows = slot_decode.move_rows(self._rows, order)
+        for slot, row in self._rows.items():
             self._keys[row.run.job.key] = slot
         self._stats.sorts += 1
 
