@@ -83,8 +83,11 @@ def cancel_flag(job_id: str) -> str:
 
 
 def queue_name_for_model(model: str | None) -> str:
-    """The default queue of a model: its last path component, or ``default``."""
+    """The default queue of a model: its last path component (a GGUF file's without
+    ``.gguf``), or ``default``."""
     if not model:
         return DEFAULT_QUEUE
     name = model.rstrip("/").rsplit("/", 1)[-1]
+    if name.lower().endswith(".gguf"):
+        name = name[: -len(".gguf")]
     return name or DEFAULT_QUEUE

@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from mlxq.engine.gguf_model import converted_folder, is_gguf
 from mlxq.errors import StartupError, one_line
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -36,9 +37,12 @@ def looks_like_path(name: str) -> bool:
 
 
 def resolve_model(name: str) -> Path:
-    """The local folder of model ``name``: the folder itself, or a hub id's snapshot
-    (downloaded if it is not cached). Raises :class:`ModelError` in one line."""
+    """The local folder of model ``name``: the folder itself, a hub id's snapshot
+    (downloaded if it is not cached) or a GGUF file's converted copy. Raises
+    :class:`ModelError` in one line."""
     path = Path(name).expanduser()
+    if is_gguf(name):
+        return gguf_folder(path, name)
     if path.exists():
         check_model_folder(path, name)
         return path
@@ -49,6 +53,21 @@ def resolve_model(name: str) -> Path:
             f"`mlxq make-model {name} --preset tiny`"
         )
     folder = _download(name)
+    check_model_folder(folder, name)
+    return folder
+
+
+def gguf_folder(path: Path, name: str) -> Path:
+    """The mlx-lm folder converted from GGUF file ``path`` (see :mod:`mlxq.engine.gguf_model`)."""
+    if not path.is_file():
+        raise ModelError(f"model {name}: no such GGUF file; check the path")
+    try:
+        folder = converted_folder(path)
+    except ImportError as e:
+        raise ModelError(f"model {name}: reading GGUF needs {one_line(e)}") from e
+    except (ValueError, KeyError, TypeError, OSError, RuntimeError) as e:
+        # ValueError: GGUFError and gguf's reader on a corrupt or truncated file.
+        raise ModelError(f"model {name}: cannot read this GGUF file: {one_line(e)}") from e
     check_model_folder(folder, name)
     return folder
 
