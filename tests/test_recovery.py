@@ -14,7 +14,7 @@ from mlxq.broker import batches as q
 from mlxq.broker import keys
 from mlxq.broker.intake import dequeue_many, register
 from mlxq.broker.recovery import requeue_stranded
-from mlxq.broker.rq_store import rq_keys
+from mlxq.broker.rq_store import rq_keys, start_script
 from mlxq.broker.serializer import serializer
 from mlxq.wire import JobMeta, Request, Result
 from mlxq.worker.outcomes import InFlight
@@ -100,7 +100,7 @@ def test_registering_a_job_the_sweep_took_back_gives_it_up(conn):
     conn.set(keys.stranded(kept[0].id), 2**40)
     assert requeue_stranded(queue, grace_s=0) == [taken[0].id]
     executions = register(worker, group)
-    assert executions[0] is None and executions[1] is not None
+    assert isinstance(executions[0], str) and not isinstance(executions[1], str)
     assert Job.fetch(taken[0].id, connection=conn).get_status() == JobStatus.QUEUED
     assert Job.fetch(kept[0].id, connection=conn).get_status() == JobStatus.STARTED
     assert _ids(conn, queue.key) == [taken[0].id]
@@ -143,7 +143,7 @@ def test_a_job_cancelled_between_dequeue_and_registration_never_runs(conn):
     cancelled = group[0][0]
     q.cancel_jobs(conn, [cancelled.id])  # `mlxq cancel JOB`: to RQ it still waits
     executions = register(worker, group)
-    assert executions[0] is None and executions[1] is not None
+    assert executions[0] == start_script.REFUSED[-2] and not isinstance(executions[1], str)
     assert Job.fetch(cancelled.id, connection=conn).get_status() == JobStatus.CANCELED
     assert requeue_stranded(queue, grace_s=3600) == []  # its id is dropped, not requeued
     assert _ids(conn, queue.intermediate_queue_key) == []

@@ -83,17 +83,24 @@ def test_a_job_starts_as_rq_starts_it(conn: redis.Redis) -> None:
 
 
 def test_a_job_that_stopped_waiting_is_not_started(conn: redis.Redis) -> None:
-    """Cancelled, or taken out of the intermediate queue by a sweeper: left as it is, while
-    the rest of the group starts."""
-    batch, worker, group = dequeued(conn, 3, "starts")
-    (cancelled, _), (swept, queue), _ = group
+    """Cancelled, taken back by a sweeper, or out of every list: not started, while the rest
+    of the group starts; the job out of every list is put back on its queue, not dropped."""
+    batch, worker, group = dequeued(conn, 4, "starts")
+    (cancelled, _), (swept, queue), (lost, _), _ = group
     conn.hset(cancelled.key, "status", "canceled")
-    conn.lrem(queue.intermediate_queue_key, 1, swept.id)
-    before = [conn.hgetall(job.key) for job in (cancelled, swept)]
+    conn.lrem(queue.intermediate_queue_key, 1, swept.id)  # the sweep's move
+    conn.rpush(queue.key, swept.id)
+    conn.lrem(queue.intermediate_queue_key, 1, lost.id)  # as RQ's BLPOP path left it
+    before = [conn.hgetall(job.key) for job in (cancelled, swept, lost)]
     executions = register(worker, group)
-    assert executions[0] is None and executions[1] is None and executions[2] is not None
-    assert [conn.hgetall(job.key) for job in (cancelled, swept)] == before
-    for job in (cancelled, swept):
+    assert executions[:3] == [start_script.REFUSED[c] for c in (-2, 0, -1)]
+    assert not isinstance(executions[3], str)
+    assert [conn.hgetall(job.key) for job in (cancelled, swept, lost)] == before
+    for job in (cancelled, swept, lost):
         assert not conn.exists(rq_keys.executions_key(job.id))
-    assert list(worker.executions) == [executions[2].id]
-    assert q.batch_status(conn, batch).started == 1
+    assert list(worker.executions) == [executions[3].id]
+    # the cancelled id is gone from every list; the other two wait on the queue, once each
+    assert conn.lrange(queue.intermediate_queue_key, 0, -1) == []
+    assert sorted(conn.lrange(queue.key, 0, -1)) == sorted([swept.id.encode(), lost.id.encode()])
+    status = q.batch_status(conn, batch)
+    assert (status.started, status.queued) == (1, 3), status

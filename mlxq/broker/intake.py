@@ -1,7 +1,10 @@
-"""Taking jobs from RQ queues: dequeue many per round trip, register them, vet them.
+"""Taking jobs from RQ queues: pull many per round trip, load them one by one, register
+them, vet them.
 
-Nothing here deserializes a job's payload before ``decode_job`` has checked it, and that
-check only ever decodes JSON (never pickle).
+Every pull moves an id into its queue's intermediate list (``rq_store.pull``), so a job is
+always in a list that recovery sweeps, on any number of queues. A job whose hash cannot be
+read fails alone (``rq_store.job_loading``). Nothing here deserializes a job's payload
+before ``decode_job`` has checked it, and that check only ever decodes JSON (never pickle).
 """
 
 from __future__ import annotations
@@ -14,46 +17,73 @@ from rq.queue import Queue
 from rq.worker import BaseWorker
 
 from mlxq.broker import keys
-from mlxq.broker.rq_store import internals, start_script
+from mlxq.broker.rq_store import internals, job_loading, pull, start_script
+from mlxq.broker.rq_store.job_loading import Unreadable
 from mlxq.wire import Request
+
+Pulled = tuple[Job, Queue]
 
 
 class JobRejected(Exception):
     """A job this worker will not run (not an mlxq job, or an invalid request)."""
 
 
-def dequeue_many(worker: BaseWorker, n: int) -> list[tuple[Job, Queue]]:
+def wait_for_job(
+    worker: BaseWorker, timeout: float, max_bytes: int = keys.MAX_JOB_BYTES
+) -> list[Pulled | Unreadable]:
+    """Up to ``timeout`` seconds for one job on the worker's queues, in their order (empty
+    if none came)."""
+    found = pull.wait_move(worker.connection, internals.ordered_queues(worker), timeout)
+    if found is None:
+        return []
+    queue, job_id = found
+    return _load(worker, queue, [job_id], max_bytes)
+
+
+def dequeue_many(
+    worker: BaseWorker, n: int, max_bytes: int = keys.MAX_JOB_BYTES
+) -> list[Pulled | Unreadable]:
     """Up to ``n`` jobs without blocking, in queue order, in a few round trips.
 
-    Ids move to RQ's intermediate queue (as RQ's own LMOVE dequeue does) until the job is
-    registered, so a crash in between loses nothing.
+    Ids move to RQ's intermediate list until the job is registered, so a crash in between
+    loses nothing; a job whose hash cannot be read comes back as an :class:`Unreadable`.
     """
-    out: list[tuple[Job, Queue]] = []
+    out: list[Pulled | Unreadable] = []
     for queue in internals.ordered_queues(worker):
         if len(out) >= n:
             break
-        with worker.connection.pipeline(transaction=False) as pipe:
-            for _ in range(n - len(out)):
-                pipe.lmove(queue.key, queue.intermediate_queue_key)
-            ids = [i.decode() for i in pipe.execute() if i is not None]
-        if not ids:
-            continue
-        jobs = worker.job_class.fetch_many(ids, worker.connection, serializer=worker.serializer)
-        for job_id, job in zip(ids, jobs, strict=True):
-            if job is None:  # deleted while queued: drop its id
-                worker.connection.lrem(queue.intermediate_queue_key, 1, job_id)
-            else:
-                out.append((job, queue))
+        ids = pull.move_many(worker.connection, queue, n - len(out))
+        if ids:
+            out += _load(worker, queue, ids, max_bytes)
     return out
 
 
-def register(worker: BaseWorker, group: list[tuple[Job, Queue]]) -> list[Execution | None]:
+def _load(
+    worker: BaseWorker, queue: Queue, ids: list[str], max_bytes: int
+) -> list[Pulled | Unreadable]:
+    out: list[Pulled | Unreadable] = []
+    jobs = job_loading.load(worker.connection, queue, ids, max_bytes)
+    for job_id, job in zip(ids, jobs, strict=True):
+        if job is None:  # deleted while queued: drop its id
+            pull.drop_from_intermediate(worker.connection, queue, job_id)
+        else:
+            out.append(job if isinstance(job, Unreadable) else (job, queue))
+    return out
+
+
+def fail_unreadable(worker: BaseWorker, items: list[Unreadable]) -> None:
+    """Fail each job that could not be read, alone, with its reason."""
+    for item in items:
+        job_loading.fail_unreadable(worker.connection, item, worker.name)
+
+
+def register(worker: BaseWorker, group: list[Pulled]) -> list[Execution | str]:
     """Register jobs as this worker's RQ executions (status ``started``), atomically
     (:mod:`~mlxq.broker.rq_store.start_script`).
 
-    None for a job that is no longer waiting for this worker: cancelled meanwhile, or found
-    stranded by a sweeper (this worker took too long between dequeue and now) and put back
-    on its queue, where another worker may already have it.
+    For a job that is no longer waiting for this worker, why it was not started: cancelled
+    meanwhile, or found stranded by a sweeper and put back on its queue (where another
+    worker may already have it), or found in no list and put back.
     """
     return start_script.start_jobs(worker, group)
 

@@ -22,6 +22,10 @@ DEFAULT_JOB_TIMEOUT = 3600
 # Batch records outlive their results a little, so a late `mlxq results` still lists them.
 BATCH_TTL = DEFAULT_RESULT_TTL + 24 * 3600
 
+# The largest job payload (inflated) a worker reads: 8x the CLI's and the API's 1 MiB line
+# limit. RQ inflates payloads with no bound (0.78 MB of zlib can become gigabytes).
+MAX_JOB_BYTES = 8 * 1024 * 1024
+
 ENV_REDIS_URL = "MLXQ_REDIS_URL"
 
 

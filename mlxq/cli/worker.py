@@ -83,6 +83,12 @@ def worker_options(f: Callable) -> Callable:
             f"back [default: {DEFAULTS.abandon_after}].",
         ),
         click.option(
+            "--max-job-bytes",
+            type=click.IntRange(1024),
+            help="Fail, unread, a job whose payload inflates past this many bytes "
+            f"[default: {DEFAULTS.max_job_bytes:,}].",
+        ),
+        click.option(
             "--grace-period",
             type=click.FloatRange(0),
             help="Seconds to finish running jobs on SIGTERM before putting them back "

@@ -45,6 +45,7 @@ class WorkerConfig:
     kv_budget_bytes: int  # for running jobs' KV caches
     prefix_cache_bytes: int  # for shared prompt prefixes
     abandon_after: int
+    max_job_bytes: int
     grace_period: float
     stall_timeout: float
     metrics_port: int | None
@@ -87,6 +88,7 @@ def resolve(profile: WorkerProfile, facts: DeviceFacts, info: ModelInfo) -> Work
         kv_budget_bytes=kv_bytes,
         prefix_cache_bytes=prefix_bytes,
         abandon_after=profile.abandon_after,
+        max_job_bytes=profile.max_job_bytes,
         grace_period=profile.grace_period,
         stall_timeout=stall,
         metrics_port=profile.metrics_port,

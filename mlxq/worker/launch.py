@@ -164,6 +164,7 @@ def run_worker(
         model_name=config.model,
         name=config.name,
         abandon_after=config.abandon_after,
+        max_job_bytes=config.max_job_bytes,
         grace_period=config.grace_period,
         stall_timeout=config.stall_timeout,
     )

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from mlxq.broker import keys
+
 
 class WorkerProfile(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """Settings of one worker; None means "decide automatically"."""
@@ -35,6 +37,8 @@ class WorkerProfile(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # before the worker puts them back and exits non-zero; None: by backend (see config).
     stall_timeout: Annotated[float, Meta(ge=1.0)] | None = None
     name: str | None = None
+    # Jobs whose payload inflates past this many bytes fail alone, unread.
+    max_job_bytes: Annotated[int, Meta(ge=1024)] = keys.MAX_JOB_BYTES
     # The batch engine: None runs the slot engine where the model's cache allows it.
     engine: Literal["slot", "batch_generator"] | None = None
     # Store the slot KV cache quantized to 8 or 4 bits (8: about half the memory of

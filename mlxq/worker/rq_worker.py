@@ -21,10 +21,10 @@ from rq.queue import Queue
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
-from mlxq.broker import fleet, keys
-from mlxq.broker.intake import dequeue_many, register
+from mlxq.broker import fleet, intake, keys
 from mlxq.broker.recovery import requeue_abandoned, requeue_stranded
 from mlxq.broker.rq_store import internals, transitions
+from mlxq.broker.rq_store.job_loading import Unreadable
 from mlxq.broker.serializer import serializer
 from mlxq.engine.runner import Runner, Work
 from mlxq.engine.sampling import Completion, EngineJob
@@ -61,6 +61,7 @@ class MlxqWorker(BaseWorker):
         model_name: str,
         name: str | None = None,
         abandon_after: int = DEFAULTS.abandon_after,
+        max_job_bytes: int = DEFAULTS.max_job_bytes,
         grace_period: float = DEFAULTS.grace_period,
         stall_timeout: float = STALL_TIMEOUT_S["metal"],
     ) -> None:
@@ -76,6 +77,7 @@ class MlxqWorker(BaseWorker):
             log_job_description=False,
         )
         self.abandon_after = abandon_after
+        self.max_job_bytes = max_job_bytes
         self.runner = runner
         self.model_name = model_name
         self.grace_period = grace_period
@@ -199,10 +201,12 @@ class MlxqWorker(BaseWorker):
 
     # -- taking jobs ---------------------------------------------------------------------
     def _pull(self, block: bool) -> int:
-        """Dequeue up to the scheduler's free slots in one go; returns how many started.
+        """Dequeue up to the scheduler's free slots in one go; returns how many were taken.
 
         The jobs reach the MLX thread together, so they are prefilled in full batches
-        rather than one prompt per step as they would trickle in one by one.
+        rather than one prompt per step as they would trickle in one by one. Every pull
+        moves ids into RQ's intermediate lists (``intake``), so none is ever out of a list
+        that recovery sweeps, however many queues the worker serves.
         """
         scheduler = self.runner.scheduler
         assert scheduler is not None
@@ -211,31 +215,20 @@ class MlxqWorker(BaseWorker):
         # on an empty look, so it must be a real one).
         if want <= 0 or (self.inflight and time.monotonic() < self._next_pull_at):
             return 0
-        found = self._dequeue(IDLE_PULL_TIMEOUT_S) if block else None
-        group = [found] if found else []
-        group += dequeue_many(self, want - len(group))
+        pulled = intake.wait_for_job(self, IDLE_PULL_TIMEOUT_S, self.max_job_bytes) if block else []
+        pulled += intake.dequeue_many(self, want - len(pulled), self.max_job_bytes)
+        unreadable = [p for p in pulled if isinstance(p, Unreadable)]
+        group = [p for p in pulled if not isinstance(p, Unreadable)]
+        if unreadable:
+            intake.fail_unreadable(self, unreadable)
+            if self.reporter is not None:
+                for _ in unreadable:
+                    self.reporter.failed("rejected")
         if group:
             self._start_group(group)
-        if len(group) < want:
+        if len(pulled) < want:
             self._next_pull_at = time.monotonic() + EMPTY_PULL_BACKOFF_S
-        return len(group)
-
-    def _dequeue(self, timeout: int) -> tuple[Job, Queue] | None:
-        """Wait up to ``timeout`` seconds for one job (RQ's blocking dequeue)."""
-        try:
-            return self.queue_class.dequeue_any(
-                internals.ordered_queues(self),
-                timeout,
-                connection=self.connection,
-                job_class=self.job_class,
-                serializer=self.serializer,
-            )
-        except (redis.ConnectionError, redis.TimeoutError):
-            raise
-        except Exception as e:  # DequeueTimeout, or a job hash that cannot be read
-            if type(e).__name__ != "DequeueTimeout":
-                self.log.error("Worker %s: could not dequeue: %s", self.name, e)
-            return None
+        return len(pulled)
 
     def _start_group(self, group: list[tuple[Job, Queue]]) -> None:
         """Vet jobs, hand the good ones to the engine together, then register them all as
@@ -250,7 +243,7 @@ class MlxqWorker(BaseWorker):
         if works:
             self.runner.submit(works)
         try:
-            executions = register(self, group)
+            executions = intake.register(self, group)
         except redis.RedisError:
             # Unregistered, the jobs stay in RQ's intermediate queue for the sweep.
             for w in works:
@@ -258,13 +251,9 @@ class MlxqWorker(BaseWorker):
             raise
         # Every outcome is owed before any is written: a Redis error midway loses none.
         for (job, queue), execution, v in zip(group, executions, vetted, strict=True):
-            if execution is None:
+            if isinstance(execution, str):
                 self.runner.cancel(job.id)
-                self.log.warning(
-                    "Worker %s: job %s was cancelled or put back before it started",
-                    self.name,
-                    job.id,
-                )
+                self.log.warning("Worker %s: job %s %s", self.name, job.id, execution)
             elif isinstance(v, str):
                 result = transitions.result_without_output(
                     job, "error", v, model=self.model_name, worker=self.name

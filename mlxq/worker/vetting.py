@@ -32,6 +32,7 @@ def vet(runner: Runner, job: Job) -> Vetted | str:
     """The job, ready for the engine, or why it cannot run (a one-line error)."""
     try:
         request = decode_job(job)
+        meta = _meta(job)
         engine, scheduler = runner.engine, runner.scheduler
         assert engine is not None and scheduler is not None
         tokens = engine.encode(request)
@@ -40,6 +41,15 @@ def vet(runner: Runner, job: Job) -> Vetted | str:
             raise JobRejected(problem)
     except (JobRejected, JobInputError) as e:
         return str(e)
-    meta = msgspec.convert(job.meta or {}, JobMeta)
+    except Exception as e:  # a job another producer wrote oddly fails alone, never the worker
+        return f"could not prepare the job: {e!r:.300}"
     late = meta.expires_at is not None and time.time() > meta.expires_at
     return Vetted(request, tokens, meta, late)
+
+
+def _meta(job: Job) -> JobMeta:
+    """The job's mlxq meta, or a rejection naming the field that is wrong."""
+    try:
+        return msgspec.convert(job.meta or {}, JobMeta)
+    except msgspec.ValidationError as e:
+        raise JobRejected(f"invalid job meta: {e} (mlxq writes batch_id, index, custom_id)") from e

@@ -7,6 +7,15 @@ trip first to check that every job still waits, and RQ's Python around them; a s
 a cancel touching any job of the group meanwhile made the whole group start over. Here a
 group is one transaction of one ``EVALSHA`` a job, and a job that stopped waiting is
 simply not started.
+
+What the script assumes, and what it does otherwise (a refused job is never dropped):
+- the job's id is in its queue's intermediate list (``pull`` put it there) and its status is
+  ``queued``: it starts, and leaves the list in the same step;
+- the id is in no intermediate list: either a sweeper put it back (it is in its queue again,
+  or another worker holds it: left alone), or it got out of every list by a path this module
+  does not know (status still ``queued``, in neither list): pushed back on its queue;
+- the status is not ``queued`` (cancelled, or ended or started by someone else): not
+  started, and its id is dropped from the intermediate list (nothing there to recover).
 """
 
 from __future__ import annotations
@@ -30,11 +39,23 @@ from mlxq.broker.rq_store.rq_keys import execution_key, executions_key, job_key,
 # counters (or the job's hash again when it has no batch). ARGV: 1 job id, 2 execution id,
 # 3 composite execution key, 4 created_at (a timestamp), 5 worker name, 6 heartbeat TTL,
 # 7 score in the job's executions, 8 score in the started registry, 9 now (RQ's text),
-# 10 "1" when counted in a batch.
+# 10 "1" when counted in a batch. KEYS[9]: the job's queue. Returns 1 (started) or a
+# refusal code of ``REFUSED``.
 _START = (
     """
-if not redis.call('LPOS', KEYS[2], ARGV[1]) then return 0 end
-if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
+local status = redis.call('HGET', KEYS[1], 'status')
+if not redis.call('LPOS', KEYS[2], ARGV[1]) then
+  if status == 'queued' and not redis.call('LPOS', KEYS[9], ARGV[1]) then
+    redis.call('LPUSH', KEYS[9], ARGV[1])
+    return -1
+  end
+  return 0
+end
+if status ~= 'queued' then
+  redis.call('LREM', KEYS[2], 1, ARGV[1])
+  redis.call('DEL', KEYS[7])
+  return -2
+end
 local ttl = tonumber(ARGV[6])
 redis.call('HSET', KEYS[3], 'id', ARGV[2], 'job_id', ARGV[1], 'created_at', ARGV[4],
            'last_heartbeat', ARGV[4], 'worker_name', ARGV[5])
@@ -59,10 +80,18 @@ return 1
 )
 
 
-def start_jobs(worker: BaseWorker, group: Sequence[tuple[Job, Queue]]) -> list[Execution | None]:
+# Why a job was not started, by the script's code.
+REFUSED = {
+    0: "no longer waiting for this worker (a sweep put it back; it runs elsewhere)",
+    -1: "was in no list when it came to start; put it back on its queue",
+    -2: "no longer queued (cancelled, or ended elsewhere); not run",
+}
+
+
+def start_jobs(worker: BaseWorker, group: Sequence[tuple[Job, Queue]]) -> list[Execution | str]:
     """Register ``group`` as this worker's RQ executions (status ``started``) in one
-    transaction, and mark the worker busy; per job its execution, or None for a job no
-    longer waiting for this worker (cancelled, or put back by a sweeper meanwhile)."""
+    transaction, and mark the worker busy; per job its execution, or why it was not
+    started (``REFUSED``: a job that stopped waiting for this worker)."""
     executions = [_execution(worker, job) for job, _ in group]
     with worker.connection.pipeline() as pipe:
         script = pipe.register_script(_START)
@@ -71,13 +100,13 @@ def start_jobs(worker: BaseWorker, group: Sequence[tuple[Job, Queue]]) -> list[E
             script(keys=keys_, args=args)
         worker.set_state(WorkerStatus.BUSY, pipeline=pipe)
         worker.heartbeat(worker.job_monitoring_interval + 60, pipeline=pipe)
-        started = [bool(ok) for ok in pipe.execute()[: len(group)]]
-    out: list[Execution | None] = []
-    for (job, _), execution, ok in zip(group, executions, started, strict=True):
-        if ok:
+        codes = [int(code) for code in pipe.execute()[: len(group)]]
+    out: list[Execution | str] = []
+    for (job, _), execution, code in zip(group, executions, codes, strict=True):
+        if code == 1:
             _mark_started(job, worker.name, execution)
             worker.executions[execution.id] = execution
-        out.append(execution if ok else None)
+        out.append(execution if code == 1 else REFUSED[code])
     return out
 
 
@@ -106,6 +135,7 @@ def _call(
         execution.worker_executions_key,
         keys.stranded(job.id),
         keys.batch_counts(batch_id) if batch_id else hash_key,
+        queue.key,
     ]
     args = [
         job.id,
