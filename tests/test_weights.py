@@ -1,12 +1,15 @@
-"""Weight format per backend: quantized weights dequantized at load on CUDA, kept elsewhere."""
+"""Weight format per backend: quantized weights dequantized at load on CUDA, and on the CPU
+when a timed layer says it is faster; kept on Metal."""
 
 from __future__ import annotations
 
 import logging
+import re
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten
 
 from mlxq.engine.make_model import build_model
 from mlxq.engine.weights import dequantized_bytes, prepare_weights
@@ -50,3 +53,33 @@ def test_on_and_off_override_the_backend() -> None:
     assert linear_kinds(off) == {"QuantizedLinear"}
     with pytest.raises(ValueError, match="auto, on, off"):
         prepare_weights(quantized_tiny(), "cuda", 1, "maybe")
+
+
+def test_cpu_auto_takes_the_fastest_measured_format(caplog: pytest.LogCaptureFixture) -> None:
+    model = quantized_tiny()
+    tokens = mx.array([[5, 6, 7, 8]])
+    before = model(tokens)
+    with caplog.at_level(logging.INFO, logger="mlxq.engine"):
+        out = prepare_weights(model, "cpu", 1 << 34, "auto")
+    timed = re.search(
+        r"quantized ([\d.]+) ms, float32 ([\d.]+) ms, bfloat16 ([\d.]+) ms", caplog.text
+    )
+    assert timed is not None, caplog.text  # the reason is the measurement, all three timed
+    ms = dict(zip(("quantized", "float32", "bfloat16"), map(float, timed.groups()), strict=True))
+    fastest = min(ms, key=ms.__getitem__)
+    if fastest == "quantized":
+        assert linear_kinds(out) == {"QuantizedLinear"} and "kept quantized" in caplog.text
+        return
+    assert linear_kinds(out) == {"Linear"} and f"to {fastest}" in caplog.text
+    assert {p.dtype for _, p in tree_flatten(out.parameters())} == {getattr(mx, fastest)}
+    assert mx.allclose(out(tokens).astype(mx.float32), before, atol=0.05).item()
+
+
+def test_cpu_auto_keeps_quantized_weights_when_no_float_copy_fits(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = quantized_tiny()
+    with caplog.at_level(logging.INFO, logger="mlxq.engine"):
+        out = prepare_weights(model, "cpu", dequantized_bytes(model, mx.bfloat16), "auto")
+    assert linear_kinds(out) == {"QuantizedLinear"}
+    assert "kept quantized" in caplog.text and "over 50% of memory left out" in caplog.text

@@ -78,6 +78,11 @@ def prepare_weights(model: nn.Module, backend: str, memory_bytes: int, mode: str
 
 def _dequantize(model: nn.Module, dtype: mx.Dtype | None, why: str) -> nn.Module:
     layers, need = len(_quantized(model)), dequantized_bytes(model, dtype)
+    if dtype is not None:  # unpacked in the target dtype, not rounded through float16 first
+        for m in _quantized(model):
+            m.scales = m.scales.astype(dtype)
+            if m.get("biases") is not None:
+                m.biases = m.biases.astype(dtype)
     model = dequantize_model(model)
     if dtype is not None:
         model.set_dtype(dtype)
