@@ -13,10 +13,11 @@ import uvicorn
 from openai import OpenAI
 
 from mlxq.api.app import ApiSettings, create_app
+from mlxq.api.serving import ConnectionLimits, server_options
 from mlxq.worker.launch import run_worker
 from mlxq.worker.profile import WorkerProfile
 
-KEY, OTHER_KEY = "sk-mlxq-test-1", "sk-mlxq-test-2"
+KEY, OTHER_KEY, ADMIN_KEY = "sk-mlxq-test-1", "sk-mlxq-test-2", "sk-mlxq-admin"
 MODEL = "tiny"  # the queue is the model's last path component: the tiny model's folder
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MAX_UPLOAD = 16 * 1024
@@ -31,14 +32,16 @@ def serve(valkey_url: str, sweep_interval: float) -> tuple[uvicorn.Server, threa
     """An API server on a free port, started on a thread: (server, thread, port)."""
     settings = ApiSettings(
         redis_url=valkey_url,
-        api_keys=[KEY, OTHER_KEY],
+        api_keys=[KEY, OTHER_KEY, ADMIN_KEY],
+        admin_keys=[ADMIN_KEY],
         max_upload_bytes=MAX_UPLOAD,
         max_lines=MAX_LINES,
         sweep_interval=sweep_interval,
     )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning"))
+    options = server_options(ConnectionLimits())  # as `mlxq api` serves
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning", **options))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

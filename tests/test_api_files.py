@@ -7,6 +7,7 @@ import http.client
 import json
 import urllib.error
 import urllib.request
+from typing import Any
 
 import openai
 import pytest
@@ -94,3 +95,30 @@ def test_command_refuses_to_serve_without_keys_or_open_without_auth(tmp_path):
     assert no_keys.exit_code == 2 and "no API keys" in no_keys.output
     open_ = runner.invoke(api_command, ["--no-auth", "--host", "0.0.0.0"])
     assert open_.exit_code == 2 and "loopback" in open_.output
+
+
+def test_malformed_paths_and_bodies_are_4xx_not_500(client, ports, conn):
+    file_id = upload(client, [completion_line("a", "Hi")])
+    # OpenAI's own path shape with a colon: no object has that id, so a 404, not a 500.
+    for path in (f"/v1/files/{file_id}:content", f"/v1/batches/{file_id}:cancel"):
+        assert _raw(ports[0], "GET", path)[0] == 404
+    # An unknown field is skipped, but skipping recurses: as deep as a hostile client likes.
+    deep = b'{"extra": ' + b"[" * 200_000 + b"]" * 200_000 + b', "input_file_id": "x"}'
+    status, body = _raw(ports[0], "POST", "/v1/batches", deep)
+    assert status == 400 and "nested too deeply" in body["error"]["message"]
+    assert _raw(ports[0], "POST", "/v1/batches", b"{not json")[0] == 400
+    too_big = b'{"input_file_id": "' + b"x" * (2 * 1024 * 1024) + b'"}'
+    assert _raw(ports[0], "POST", "/v1/batches", too_big)[0] == 413
+    assert client.files.retrieve(file_id).id == file_id  # the server is still fine
+
+
+def _raw(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
+    """(status, JSON body) of one raw HTTP request with the test key."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    try:
+        conn.request(method, path, body=body, headers=headers)
+        response = conn.getresponse()
+        return response.status, json.loads(response.read() or b"null")
+    finally:
+        conn.close()

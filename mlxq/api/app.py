@@ -18,15 +18,15 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import redis
 
 from mlxq.api import batches, store
-from mlxq.api.auth import AuthMiddleware, KeyChecker
-from mlxq.api.errors import ApiError, bad_request
+from mlxq.api.auth import TENANT, AuthMiddleware, KeyChecker, Tenant, owner_of
+from mlxq.api.errors import ApiError, bad_request, decode_body
 from mlxq.api.models import list_models
 from mlxq.api.objects import FINAL_STATUSES, BatchState, encoder
 from mlxq.api.uploads import DEFAULT_MAX_LINES, DEFAULT_MAX_UPLOAD_BYTES, read_upload
@@ -39,7 +39,7 @@ with needs_extra("api", "mlxq api"):
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
     from starlette.middleware import Middleware
-    from starlette.requests import Request
+    from starlette.requests import ClientDisconnect, Request
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
@@ -54,6 +54,7 @@ class ApiSettings:
 
     redis_url: str
     api_keys: list[str] | None
+    admin_keys: list[str] = field(default_factory=list)  # keys that see every tenant's
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
     max_lines: int = DEFAULT_MAX_LINES
     # Seconds between background refreshes of active batches (0: only on reads).
@@ -84,6 +85,11 @@ def _settings(request: Request) -> ApiSettings:
     return request.app.state.settings
 
 
+def _tenant(request: Request) -> Tenant | None:
+    """The tenant the request's key is (None when the app runs without keys)."""
+    return getattr(request.state, TENANT, None)
+
+
 # -- files --------------------------------------------------------------------------------
 
 
@@ -91,23 +97,30 @@ async def upload_file(request: Request) -> Response:
     s = _settings(request)
     up = await read_upload(request, max_bytes=s.max_upload_bytes, max_lines=s.max_lines)
     record = await run_in_threadpool(
-        store.put_file, _conn(request), up.content, filename=up.filename, purpose=up.purpose
+        store.put_file,
+        _conn(request),
+        up.content,
+        filename=up.filename,
+        purpose=up.purpose,
+        owner=owner_of(_tenant(request)),
     )
     return _json(record)
 
 
 async def get_file(request: Request) -> Response:
-    return _json(await run_in_threadpool(store.get_file, _conn(request), _id(request)))
+    conn, tenant = _conn(request), _tenant(request)
+    return _json(await run_in_threadpool(store.get_file, conn, _id(request), tenant))
 
 
 async def get_file_content(request: Request) -> Response:
-    content = await run_in_threadpool(store.get_file_content, _conn(request), _id(request))
+    conn, tenant = _conn(request), _tenant(request)
+    content = await run_in_threadpool(store.get_file_content, conn, _id(request), tenant)
     return Response(content, media_type="application/octet-stream")
 
 
 async def delete_file(request: Request) -> Response:
     file_id = _id(request)
-    await run_in_threadpool(store.delete_file, _conn(request), file_id)
+    await run_in_threadpool(store.delete_file, _conn(request), file_id, _tenant(request))
     return _json({"id": file_id, "object": "file", "deleted": True})
 
 
@@ -119,13 +132,11 @@ def _id(request: Request) -> str:
 
 
 async def create_batch(request: Request) -> Response:
-    try:
-        body = _create_decoder.decode(await request.body())
-    except msgspec.DecodeError as e:
-        raise bad_request(f"Invalid request body: {e}") from None
+    body = decode_body(_create_decoder, await _small_body(request))
     state = await run_in_threadpool(
         batches.create_batch,
         _conn(request),
+        tenant=_tenant(request),
         input_file_id=body.input_file_id,
         endpoint=body.endpoint,
         completion_window=body.completion_window,
@@ -135,14 +146,29 @@ async def create_batch(request: Request) -> Response:
     return _json(state.batch)
 
 
+MAX_JSON_BODY = 1024 * 1024  # a batch's JSON body is a few hundred bytes
+
+
+async def _small_body(request: Request) -> bytes:
+    """The request's body, refused with a 413 past ``MAX_JSON_BODY`` bytes (not read on)."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_JSON_BODY:
+            raise ApiError(413, f"Request body too large: at most {MAX_JSON_BODY} bytes")
+    return bytes(body)
+
+
 async def get_batch(request: Request) -> Response:
-    state = await run_in_threadpool(batches.refresh, _conn(request), _id(request))
+    conn, batch_id = _conn(request), _id(request)
+    await run_in_threadpool(store.get_batch, conn, batch_id, _tenant(request))  # else a 404
+    state = await run_in_threadpool(batches.refresh, conn, batch_id)
     return _json(state.batch)
 
 
 async def cancel_batch(request: Request) -> Response:
     conn, batch_id = _conn(request), _id(request)
-    state = await run_in_threadpool(batches.cancel_batch, conn, batch_id)
+    state = await run_in_threadpool(batches.cancel_batch, conn, batch_id, _tenant(request))
     response = _json(state.batch)
     # Cancelling 50,000 queued jobs takes a while: answer first, then cancel them.
     response.background = BackgroundTask(_refresh_quietly, conn, batch_id)
@@ -160,7 +186,9 @@ def _refresh_quietly(conn: redis.Redis, batch_id: str) -> None:
 async def list_batches(request: Request) -> Response:
     after = request.query_params.get("after") or None
     limit = _limit(request.query_params.get("limit"))
-    states, has_more = await run_in_threadpool(_listed, _conn(request), after, limit)
+    states, has_more = await run_in_threadpool(
+        _listed, _conn(request), _tenant(request), after, limit
+    )
     data = [s.batch for s in states]
     return _json(
         {
@@ -173,8 +201,10 @@ async def list_batches(request: Request) -> Response:
     )
 
 
-def _listed(conn: redis.Redis, after: str | None, limit: int) -> tuple[list[BatchState], bool]:
-    states, has_more = store.list_batches(conn, after=after, limit=limit)
+def _listed(
+    conn: redis.Redis, tenant: Tenant | None, after: str | None, limit: int
+) -> tuple[list[BatchState], bool]:
+    states, has_more = store.list_batches(conn, tenant=tenant, after=after, limit=limit)
     fresh = [
         s if s.batch.status in FINAL_STATUSES else batches.refresh(conn, s.batch.id) for s in states
     ]
@@ -230,6 +260,12 @@ async def _redis_error(request: Request, exc: Exception) -> Response:
     return _error_response(ApiError(503, f"The queue's Redis is unavailable: {exc}"))
 
 
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client went away (or was cut off for being too slow): nobody reads an answer."""
+    log.info("client left during %s %s", request.method, request.url.path)
+    return Response(status_code=400)
+
+
 async def _server_error(request: Request, exc: Exception) -> Response:
     log.exception("error on %s %s", request.method, request.url.path, exc_info=exc)
     return _error_response(ApiError(500, "The server had an error processing your request."))
@@ -245,7 +281,8 @@ def create_app(settings: ApiSettings, conn: redis.Redis | None = None) -> Starle
     conn = conn or q.connect(settings.redis_url)
     middleware = []
     if settings.api_keys is not None:
-        middleware.append(Middleware(AuthMiddleware, checker=KeyChecker(settings.api_keys)))
+        checker = KeyChecker(settings.api_keys, admin=settings.admin_keys)
+        middleware.append(Middleware(AuthMiddleware, checker=checker))
     app = Starlette(
         routes=ROUTES,
         middleware=middleware,
@@ -253,6 +290,7 @@ def create_app(settings: ApiSettings, conn: redis.Redis | None = None) -> Starle
             ApiError: _api_error,
             HTTPException: _http_error,
             redis.RedisError: _redis_error,
+            ClientDisconnect: _client_gone,
             Exception: _server_error,
         },
         lifespan=_lifespan(conn, settings.sweep_interval),

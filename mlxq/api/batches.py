@@ -18,6 +18,7 @@ import redis
 
 from mlxq.api import redis_keys as rk
 from mlxq.api import store
+from mlxq.api.auth import Tenant, owner_of
 from mlxq.api.errors import ApiError, bad_request
 from mlxq.api.finalize import finalize
 from mlxq.api.objects import (
@@ -53,22 +54,24 @@ _CHECK_MS_PER_JOB = 0.05
 def create_batch(
     conn: redis.Redis,
     *,
+    tenant: Tenant | None,
     input_file_id: str,
     endpoint: str,
     completion_window: str,
     metadata: dict[str, str] | None,
     max_lines: int,
 ) -> BatchState:
-    """Validate the input file and submit its requests; the record says how that went."""
+    """Validate ``tenant``'s input file and submit its requests as ``tenant``'s batch; the
+    record says how that went."""
     _check_params(endpoint, completion_window, metadata)
-    file = store.get_file(conn, input_file_id)
+    file = store.get_file(conn, input_file_id, tenant)
     if file.purpose != "batch":
         raise bad_request(
             f"File {input_file_id} has purpose {file.purpose!r}; a batch needs a file "
             "uploaded with purpose 'batch'",
             param="input_file_id",
         )
-    content = store.get_file_content(conn, input_file_id)
+    content = store.get_file_content(conn, input_file_id, tenant)
     created = now()
     batch = Batch(
         id=new_batch_id(),
@@ -81,7 +84,7 @@ def create_batch(
         metadata=metadata,
     )
     with store.batch_lock(conn, batch.id):  # a fresh id: always free
-        store.create_batch(conn, BatchState(batch=batch))
+        store.create_batch(conn, BatchState(batch=batch, owner=owner_of(tenant)))
         validated = validate_input(content, endpoint, max_lines=max_lines)
         if validated.errors:
             return store.update_batch(conn, batch.id, lambda s: _fail(s, validated.errors))
@@ -149,8 +152,8 @@ def _submit(conn: redis.Redis, batch_id: str, requests: list, model: str | None)
 # -- cancel -------------------------------------------------------------------------------
 
 
-def cancel_batch(conn: redis.Redis, batch_id: str) -> BatchState:
-    """Mark a batch ``cancelling`` (idempotent) and return it.
+def cancel_batch(conn: redis.Redis, batch_id: str, tenant: Tenant | None) -> BatchState:
+    """Mark ``tenant``'s batch ``cancelling`` (idempotent) and return it.
 
     The next :func:`refresh` (the app runs one right after answering; GETs and the sweep
     run more) cancels its queued requests, lets running ones finish, and makes the batch
@@ -168,6 +171,7 @@ def cancel_batch(conn: redis.Redis, batch_id: str) -> BatchState:
         state.ending = "cancelled"
         return True
 
+    store.get_batch(conn, batch_id, tenant)  # a 404 unless it is the tenant's
     return store.update_batch(conn, batch_id, cancelling)
 
 

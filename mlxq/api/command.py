@@ -10,14 +10,15 @@ import logging
 
 import click
 
-from mlxq.api.auth import ENV_API_KEYS, load_keys
+from mlxq.api import serving
+from mlxq.api.auth import ENV_ADMIN_KEYS, ENV_API_KEYS, load_key_roles
 from mlxq.cli.support import check_port_free, connect, redis_option
-from mlxq.errors import needs_extra
 from mlxq.server import is_loopback
 
 
-def resolve_keys(keys_file: str | None, no_auth: bool, host: str) -> list[str] | None:
-    """The API keys to require, or None with ``--no-auth``; refuses unsafe setups."""
+def resolve_keys(keys_file: str | None, no_auth: bool, host: str) -> dict[str, bool] | None:
+    """The API keys to require (each mapped to whether it is an admin key), or None with
+    ``--no-auth``; refuses unsafe setups."""
     if no_auth:
         if not is_loopback(host):
             raise click.UsageError(
@@ -25,13 +26,16 @@ def resolve_keys(keys_file: str | None, no_auth: bool, host: str) -> list[str] |
                 f"(127.0.0.1, ::1, localhost), not {host!r}"
             )
         return None
-    api_keys = load_keys(keys_file)
-    if not api_keys:
+    try:
+        roles = load_key_roles(keys_file)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--keys-file") from e
+    if not roles:
         raise click.UsageError(
             f"no API keys: set {ENV_API_KEYS} (comma-separated) or give --keys-file (one key "
             "per line); or, on a loopback address only, pass --no-auth explicitly"
         )
-    return api_keys
+    return roles
 
 
 @click.command("api")
@@ -41,7 +45,8 @@ def resolve_keys(keys_file: str | None, no_auth: bool, host: str) -> list[str] |
 @click.option(
     "--keys-file",
     type=click.Path(exists=True, dir_okay=False),
-    help=f"File of API keys, one per line (added to ${ENV_API_KEYS}, comma-separated).",
+    help=f"File of API keys, one per line (added to ${ENV_API_KEYS}, comma-separated); "
+    f"`KEY admin` makes KEY an admin key (like ${ENV_ADMIN_KEYS}). Each key is a tenant.",
 )
 @click.option("--no-auth", is_flag=True, help="Serve without API keys (loopback addresses only).")
 @click.option(
@@ -65,6 +70,25 @@ def resolve_keys(keys_file: str | None, no_auth: bool, host: str) -> list[str] |
     type=click.FloatRange(min=0),
     help="Seconds between background refreshes of active batches (finalize, expire); 0: off.",
 )
+@click.option(
+    "--read-timeout",
+    default=serving.DEFAULT_READ_TIMEOUT,
+    show_default=True,
+    type=click.FloatRange(min=0.1),
+    help="Seconds a client may take to send a request's head, or stay silent inside a body.",
+)
+@click.option(
+    "--keep-alive-timeout",
+    default=serving.DEFAULT_KEEP_ALIVE,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Seconds an idle connection is kept open between requests.",
+)
+@click.option(
+    "--max-connections",
+    type=click.IntRange(min=1),
+    help="Open connections at most; more are answered 503 [default: half the open-file limit].",
+)
 @click.option("--log-level", default="info", show_default=True)
 def api_command(
     host: str,
@@ -75,6 +99,9 @@ def api_command(
     max_upload_bytes: int,
     max_lines: int,
     sweep_interval: float,
+    read_timeout: float,
+    keep_alive_timeout: int,
+    max_connections: int | None,
     log_level: str,
 ) -> None:
     """Serve OpenAI's Batch API: upload a JSONL file, create a batch, poll, download.
@@ -83,10 +110,9 @@ def api_command(
     Existing OpenAI client code works unchanged but for base_url and api_key:
       OpenAI(base_url="http://HOST:8000/v1", api_key=KEY)
     Requests run on mlxq workers: the queue is the last part of the lines' `model`.
+    Each key sees only its own files and batches; admin keys see all.
     """
-    api_keys = resolve_keys(keys_file, no_auth, host)
-    with needs_extra("api", "mlxq api"):
-        import uvicorn
+    roles = resolve_keys(keys_file, no_auth, host)
     from mlxq.api.app import ApiSettings, create_app
 
     check_port_free(host, port, "--port")
@@ -96,13 +122,15 @@ def api_command(
     )
     settings = ApiSettings(
         redis_url=redis_url,
-        api_keys=api_keys,
+        api_keys=None if roles is None else list(roles),
+        admin_keys=[k for k, admin in (roles or {}).items() if admin],
         max_upload_bytes=max_upload_bytes,
         max_lines=max_lines,
         sweep_interval=sweep_interval,
     )
     conn = connect(redis_url, writes_jobs=True)
-    if api_keys is None:
+    if roles is None:
         click.echo("mlxq api: warning: authentication is off (--no-auth)", err=True)
     app = create_app(settings, conn)
-    uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
+    limits = serving.ConnectionLimits(read_timeout, keep_alive_timeout, max_connections)
+    serving.run(app, host, port, limits, log_level.lower())

@@ -8,7 +8,11 @@ This module does not import the web framework, so the batch lifecycle can use it
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
+
+import msgspec
+
+T = TypeVar("T")
 
 _TYPES = {
     401: "invalid_request_error",
@@ -58,3 +62,15 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
 def not_found(kind: str, object_id: str, param: str = "id") -> ApiError:
     """A 404 worded as OpenAI words it: ``No such File object: file-...``."""
     return ApiError(404, f"No such {kind} object: {object_id}", param=param)
+
+
+def decode_body(decoder: msgspec.json.Decoder[T], raw: bytes) -> T:
+    """A JSON request body decoded, or a 400 that says what is wrong with it."""
+    try:
+        return decoder.decode(raw)
+    except msgspec.DecodeError as e:
+        raise bad_request(f"Invalid request body: {e}") from e
+    except RecursionError as e:  # msgspec's own depth limit: a hostile body, not a bug
+        raise bad_request(
+            "Invalid request body: JSON nested too deeply; send a flat JSON object"
+        ) from e

@@ -115,19 +115,22 @@ def build_files(conn: redis.Redis, state: BatchState) -> Outcome:
         line = to_openai_line(result, batch.endpoint, cancelled_code=stopped_code)
         (output if is_success(result) else errors).append(encoder.encode(line))
     outcome.counts.completed, outcome.counts.failed = len(output), len(errors)
-    outcome.output_file_id = _write(conn, batch.id, "output", output)
-    outcome.error_file_id = _write(conn, batch.id, "error", errors)
+    outcome.output_file_id = _write(conn, state, "output", output)
+    outcome.error_file_id = _write(conn, state, "error", errors)
     return outcome
 
 
-def _write(conn: redis.Redis, batch_id: str, kind: Any, lines: list[bytes]) -> str | None:
+def _write(conn: redis.Redis, state: BatchState, kind: Any, lines: list[bytes]) -> str | None:
+    """The batch's output or error file, owned by the batch's tenant."""
     if not lines:
         return None
+    batch_id = state.batch.id
     record = store.put_file(
         conn,
         b"\n".join(lines) + b"\n",
         filename=f"{batch_id}_{kind}.jsonl",
         purpose="batch_output",
+        owner=state.owner,
         file_id=output_file_id(batch_id, kind),
         ttl=rk.RECORD_TTL,
     )

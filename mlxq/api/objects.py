@@ -124,6 +124,8 @@ class BatchState(Struct):
     # Whether every request was enqueued (until then the batch's lock is held by the
     # process validating it).
     submitted: bool = False
+    # The tenant that created it (``mlxq.api.auth.Tenant.owner``); None without auth.
+    owner: str | None = None
 
 
 state_decoder = msgspec.json.Decoder(BatchState)

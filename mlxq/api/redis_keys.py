@@ -27,6 +27,11 @@ def file_content(file_id: str) -> str:
     return f"{PREFIX}:file:{file_id}:content"
 
 
+def file_owner(file_id: str) -> str:
+    """The tenant that owns the file (see ``mlxq.api.auth.Tenant``; absent: no tenant)."""
+    return f"{PREFIX}:file:{file_id}:owner"
+
+
 def batch_record(batch_id: str) -> str:
     """JSON ``BatchState`` of a batch: the OpenAI object plus what mlxq needs to run it."""
     return f"{PREFIX}:batch:{batch_id}"
@@ -46,6 +51,11 @@ def batch_checked(batch_id: str) -> str:
 def batches() -> str:
     """Sorted set of batch ids scored by creation time (for ``GET /v1/batches``)."""
     return f"{PREFIX}:batches"
+
+
+def owner_batches(owner: str) -> str:
+    """Sorted set of one tenant's batch ids scored by creation time."""
+    return f"{PREFIX}:owner:{owner}:batches"
 
 
 def active_batches() -> str:
