@@ -25,7 +25,7 @@ def setup_logging(level: str, fmt: str = "text") -> None:
 def worker_options(f: Callable) -> Callable:
     """The model and engine options ``mlxq worker`` and ``mlxq run`` take."""
     options = [
-        click.option("--model", help="Model to serve: a local folder or a hub id."),
+        click.option("--model", help="Model to serve: a local folder, a hub id or a .gguf file."),
         click.option(
             "--profile",
             type=click.Path(exists=True, dir_okay=False),
