@@ -5,7 +5,11 @@ from mlxq.engine.scheduler import (
     admission_order,
     auto_max_batch,
     auto_prefill_batch,
+    cache_positions,
+    cache_rows,
+    grown_rows,
     memory_budget,
+    slot_cache_bytes,
     split_budget,
 )
 
@@ -28,12 +32,42 @@ def test_admits_up_to_the_batch_cap():
     assert s.try_admit("c", 10, 10)
 
 
-def test_admits_against_the_memory_budget():
-    s = make(budget=1000)
-    assert s.try_admit("a", 300, 300)
-    assert not s.try_admit("b", 300, 200)  # 600 + 500 > 1000
-    assert s.try_admit("c", 200, 200)  # 600 + 400 fits
-    assert s.reserved_bytes == 1000
+def test_admits_against_the_memory_budget_as_the_cache_holds_it():
+    """The batch's cache is a rectangle: its rows (``cache_rows``) times the longest
+    job's positions (whole steps of 256); the budget bounds that, not a sum of jobs."""
+    s = make(max_batch=16, budget=4 * 768)
+    assert s.try_admit("a", 300, 300)  # 1 row x 768
+    assert s.reserved_bytes == 768
+    assert s.try_admit("b", 10, 10)  # 2 rows x 768
+    assert not s.try_admit("c", 500, 600)  # 4 rows x 1280 > 4 x 768
+    assert s.try_admit("c", 100, 100) and s.reserved_bytes == 4 * 768
+    assert s.try_admit("d", 10, 10)  # 4 rows still
+    assert not s.try_admit("e", 10, 10)  # 8 rows x 768
+    s.release("a")  # the longest left: 3 rows, now of 256
+    assert s.reserved_bytes == 4 * 256
+    assert s.try_admit("e", 10, 10) and s.try_admit("f", 10, 10) and s.active == 5
+    assert s.reserved_bytes == 8 * 256
+
+
+def test_cache_rows_double_then_grow_in_steps():
+    assert [cache_rows(n) for n in (0, 1, 2, 3, 5, 8, 9, 17, 250)] == [
+        0,
+        1,
+        2,
+        4,
+        8,
+        8,
+        16,
+        24,
+        256,
+    ]
+    assert cache_positions(1) == cache_positions(256) == 256 and cache_positions(257) == 512
+    assert slot_cache_bytes(3, 300, 2) == 4 * 512 * 2
+    # The first allocation holds every job admitted; later ones at most double, never
+    # past those admitted, nor the engine's cap.
+    assert grown_rows(1, 0, 1, 256) == 1 and grown_rows(8, 0, 100, 256) == 104
+    assert grown_rows(9, 8, 100, 256) == 16 and grown_rows(9, 8, 9, 256) == 16
+    assert grown_rows(40, 16, 40, 256) == 40 and grown_rows(3, 2, 3, 3) == 3
 
 
 def test_an_empty_batch_always_takes_a_job_that_fits_alone():

@@ -16,6 +16,7 @@ from mlx_lm.generate import generate_step
 from mlxq.engine import slot_choices
 from mlxq.engine.factory import make_engine
 from mlxq.engine.mlx_lm_batch import Engine
+from mlxq.engine.slot_cache import SlotCache
 from mlxq.engine.slot_engine import SlotEngine
 
 
@@ -57,6 +58,14 @@ def test_quantized_slot_cache_equals_mlx_lm_quantized_single_requests(
     plain = SlotEngine.from_loaded(model, tokenizer, "wide", **sizes)
     engine = SlotEngine.from_loaded(model, tokenizer, "wide", kv_bits=bits, **sizes)
     assert engine.choices.attention == f"{bits}-bit quantized"
+    held: dict[int, int] = {}  # each cache's most bytes when dropped (idle)
+    release = SlotCache.release
+
+    def dropped(c: SlotCache) -> None:
+        held[id(c)] = max(held.get(id(c), 0), c.nbytes)
+        release(c)
+
+    monkeypatch.setattr(SlotCache, "release", dropped)
     jobs = {str(i): r for i, r in enumerate(REQUESTS)}
     done, plain_done = run_all(engine, jobs, 2), run_all(plain, jobs, 2)
     for i, request in enumerate(REQUESTS):
@@ -64,7 +73,8 @@ def test_quantized_slot_cache_equals_mlx_lm_quantized_single_requests(
         assert done[str(i)].token_ids == ref, f"request {i}"
     # float32 values, groups of 32 with a float32 scale and bias each.
     per_value = bits / 8 + 2 * 4 / 32
-    assert engine._cache.nbytes == pytest.approx(plain._cache.nbytes * per_value / 4)
+    quantized, full = held[id(engine._cache)], held[id(plain._cache)]
+    assert full > 0 and quantized == pytest.approx(full * per_value / 4)
     assert all(c.finish_reason in ("stop", "length") for c in plain_done.values())
 
 

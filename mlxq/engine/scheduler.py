@@ -1,8 +1,14 @@
 """Scheduling policy: how many jobs to pull and admit, as plain Python (no MLX).
 
 The KV cache of a running job grows to (prompt + max_tokens) tokens, each costing
-``kv_bytes_per_token``. The scheduler reserves that worst case per job against a memory
-budget, so a batch of long prompts waits for room instead of exhausting memory.
+``kv_bytes_per_token``. The batch's cache is one rectangle: a row per job, every row as
+long as the longest (the slot cache, :mod:`mlxq.engine.slot_cache`, holds at most
+:func:`cache_rows` rows for the jobs admitted, in positions rounded up to
+:data:`CACHE_STEP`; mlx-lm's batch cache pads to the longest too). The scheduler admits
+a job only while that rectangle at the admitted jobs' worst case,
+:func:`slot_cache_bytes`, fits the memory budget: the budget is the one bound on the
+cache's allocation, and a batch of long prompts waits for room instead of exhausting
+memory.
 """
 
 from __future__ import annotations
@@ -23,6 +29,36 @@ DEFAULT_PREFILL_BATCH = 8
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# The slot cache's rows grow in steps of this many positions (a copy of the cache each).
+CACHE_STEP = 256
+# Beyond this many, the slot cache's rows come in multiples of it.
+ROW_STEP = 8
+
+
+def cache_positions(tokens: int, step: int = CACHE_STEP) -> int:
+    """Positions a cache row holds to fit ``tokens``: whole steps."""
+    return -(-max(tokens, 1) // step) * step
+
+
+def cache_rows(jobs: int) -> int:
+    """Rows the slot cache holds for ``jobs`` jobs: a power of two up to
+    :data:`ROW_STEP` (a lone job, one row), then whole steps (a copy every few joins
+    when jobs trickle in, and few shapes for a compiled forward to trace)."""
+    if jobs <= ROW_STEP:
+        return 1 << (jobs - 1).bit_length() if jobs > 0 else 0
+    return -(-jobs // ROW_STEP) * ROW_STEP
+
+
+def slot_cache_bytes(jobs: int, tokens: int, kv_bytes_per_token: int) -> int:
+    """Bytes of the slot cache of ``jobs`` jobs, the longest ``tokens`` long."""
+    return cache_rows(jobs) * cache_positions(tokens) * kv_bytes_per_token
+
+
+def grown_rows(needed: int, rows: int, admitted: int, cap: int) -> int:
+    """Rows a cache of ``rows`` grows to when it must hold ``needed``: all ``admitted``
+    jobs at its first allocation, then up to twice as many (copies amortized), never
+    more than :func:`cache_rows` of those admitted (nor ``cap``)."""
+    return min(cap, cache_rows(max(needed, min(admitted, 2 * rows) if rows else admitted)))
 
 
 def kv_group_size(head_dim: int) -> int | None:
@@ -92,11 +128,11 @@ class Scheduler:
     auto_prefill: bool = False  # size the prefill batch from the waiting prompts
     prefill_step: int = 2048
     prefill_tokens: int = PREFILL_TOKENS["cuda"]  # per prefill call, when automatic
-    _reserved: dict[str, int] = field(default_factory=dict)
+    _reserved: dict[str, int] = field(default_factory=dict)  # worst-case tokens by job
 
     def job_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
-        """Worst-case KV bytes of one job."""
-        return (prompt_tokens + max_tokens) * self.kv_bytes_per_token
+        """Worst-case KV bytes of one job alone."""
+        return slot_cache_bytes(1, prompt_tokens + max_tokens, self.kv_bytes_per_token)
 
     def fits_alone(self, prompt_tokens: int, max_tokens: int) -> str | None:
         """None if the job can ever run here, else a message saying why not."""
@@ -123,8 +159,10 @@ class Scheduler:
 
     @property
     def reserved_bytes(self) -> int:
-        """KV bytes held by admitted jobs."""
-        return sum(self._reserved.values())
+        """KV bytes the admitted jobs' cache may reach: its rows for them, each as long as
+        the longest's worst case (:func:`slot_cache_bytes`)."""
+        longest = max(self._reserved.values(), default=0)
+        return slot_cache_bytes(self.active, longest, self.kv_bytes_per_token)
 
     def fetch_count(self, held: int) -> int:
         """How many more jobs to pull from Redis when ``held`` are already in hand.
@@ -138,11 +176,13 @@ class Scheduler:
         """Admit the job if a batch slot and its memory are free; record the reservation."""
         if len(self._reserved) >= self.max_batch:
             return False
-        need = self.job_bytes(prompt_tokens, max_tokens)
+        tokens = prompt_tokens + max_tokens
+        longest = max(tokens, *self._reserved.values(), 0)
         # An empty batch always takes one job that fits alone, so nothing starves.
-        if self._reserved and self.reserved_bytes + need > self.budget_bytes:
+        need = slot_cache_bytes(self.active + 1, longest, self.kv_bytes_per_token)
+        if self._reserved and need > self.budget_bytes:
             return False
-        self._reserved[key] = need
+        self._reserved[key] = tokens
         return True
 
     def prefill_batch(self, waiting_prompt_lengths: list[int]) -> int | None:

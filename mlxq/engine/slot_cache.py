@@ -12,8 +12,12 @@ bookkeeping only: no tensor work, no device sync; the next owner overwrites it.
   longest row (:class:`DecodeState`), so short rows do not pay for the batch's longest.
 - **Sorting** (:meth:`SlotCache.permute`) moves the live rows into a new slot order,
   when :mod:`mlxq.engine.slot_order` says it pays: one gather per layer.
-- **Capacity** grows in steps (``step`` positions) when a row would outgrow it: one copy
-  of the live rows per growth.
+- **Size** follows the work: the arrays hold ``rows`` rows (allocated at the first write,
+  up to ``slots``) of ``capacity`` positions, in steps of ``step``; :meth:`SlotCache.resize`
+  lays them out anew (rows packed at the front, as the engine asks: grown as jobs join,
+  shrunk as they leave, to the positions the live rows need), one copy per layer;
+  :meth:`SlotCache.release` drops them when idle. The scheduler admits jobs against the
+  same shape (:func:`~mlxq.engine.scheduler.slot_cache_bytes`).
 
 :class:`SlotLayer` is the cache object mlx-lm's model modules see during decode: they read
 ``offset`` (each row's position, an array: RoPE takes per-row offsets), call
@@ -31,6 +35,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxq.engine.attention import Kernel
+from mlxq.engine.scheduler import CACHE_STEP, cache_positions
 from mlxq.engine.slot_order import SPAN_ROUND, span_groups
 
 # A layer's keys (or values): one array, or with ``bits`` the parts of ``mx.quantize``
@@ -47,7 +52,8 @@ def _parts(x: Stored) -> tuple[mx.array, ...]:
 
 
 class SlotCache:
-    """Keys and values of every layer for ``slots`` rows; allocated at the first write.
+    """Keys and values of every layer for up to ``slots`` rows; allocated at the first
+    write, as many rows as written or asked for (:meth:`resize`).
 
     With ``bits`` (8 or 4) they are stored quantized (``mx.quantize``, groups of
     ``group_size`` along the head dimension): 8 bits take about half of bfloat16's memory.
@@ -57,7 +63,7 @@ class SlotCache:
         self,
         num_layers: int,
         slots: int,
-        step: int = 256,
+        step: int = CACHE_STEP,
         bits: int | None = None,
         group_size: int = 64,
     ) -> None:
@@ -70,6 +76,12 @@ class SlotCache:
         self.capacity = 0
         self.lengths = [0] * slots
         self._free = list(range(slots))  # a heap: the lowest free slot first
+        self._wanted = (0, 0)  # (rows, capacity) asked for before the arrays exist
+
+    @property
+    def rows(self) -> int:
+        """Rows the arrays hold (0 before the first write)."""
+        return _parts(self.keys[0])[0].shape[0] if self.keys else 0
 
     @property
     def free_slots(self) -> int:
@@ -92,34 +104,69 @@ class SlotCache:
         """Bytes the preallocated arrays hold."""
         return sum(p.nbytes for x in self.keys + self.values for p in _parts(x))
 
+    def positions(self, tokens: int) -> int:
+        """The capacity that holds ``tokens`` positions (whole steps)."""
+        return cache_positions(tokens, self.step)
+
     def reserve(self, tokens: int) -> None:
         """Grow every layer so that each slot holds at least ``tokens`` positions."""
-        if tokens <= self.capacity or not self.keys:
-            return
-        grown = -(-tokens // self.step) * self.step
-        for layer in range(self.num_layers):
-            self.keys[layer] = _each(self.keys[layer], lambda a: _grow(a, grown))
-            self.values[layer] = _each(self.values[layer], lambda a: _grow(a, grown))
-        mx.eval(self.keys, self.values)
-        self.capacity = grown
+        if tokens > max(self.capacity, self._wanted[1]):
+            self.resize(max(self.rows, self._wanted[0]), self.positions(tokens))
 
     def permute(self, order: list[int]) -> None:
         """Move slot ``order[i]`` to slot ``i`` (the live rows, packed at the front); every
         other slot becomes free. One gather per layer: a copy of the whole cache."""
-        live = set(order)
-        perm = order + [s for s in range(self.slots) if s not in live]
-        idx = mx.array(perm)
-        for layer in range(self.num_layers):
-            self.keys[layer] = _each(self.keys[layer], lambda a: a[idx])
-            self.values[layer] = _each(self.values[layer], lambda a: a[idx])
-        self.lengths[:] = [self.lengths[s] if s in live else 0 for s in perm]
-        self._free = list(range(len(order), self.slots))  # sorted: a valid heap
+        self.resize(self.rows, self.capacity, order)
+
+    def resize(self, rows: int, capacity: int, order: list[int] | None = None) -> None:
+        """Lay the arrays out as ``rows`` x ``capacity`` positions (kept where no longer
+        than a live row needs); with ``order``, slot ``order[i]`` moves to slot ``i`` and
+        every other slot becomes free, else every row stays where it is. Before the first
+        write: the shape to allocate. Slots past the arrays' rows (taken by a joining
+        group, not yet written) come last in ``order`` and start as zeros. One copy per
+        layer, each evaluated before the next, so the old layer is freed as the new one
+        is made (peak: one layer over the larger of the two)."""
+        moved = order if order is not None else range(min(rows, self.rows))
+        kept = [s for s in moved if s < self.rows]
+        dropped = range(rows, self.rows) if order is None else ()
+        if (
+            len(moved) > rows
+            or rows > self.slots
+            or kept != list(moved[: len(kept)])
+            or not set(dropped) <= set(self._free)
+        ):
+            raise ValueError(f"cannot lay {len(moved)} rows out in {rows} of {self.slots}")
+        if not self.keys:
+            self._wanted = (rows, capacity)
+        else:
+            idx, keep = mx.array(list(kept), mx.int32), min(self.capacity, capacity)
+
+            def laid(a: mx.array) -> mx.array:
+                return _laid(a, idx, keep, rows, capacity)
+
+            for layer in range(self.num_layers):
+                for stored in (self.keys, self.values):
+                    stored[layer] = _each(stored[layer], laid)
+                mx.eval(self.keys[layer], self.values[layer])
+            self.capacity = capacity
+        if order is not None:
+            self.lengths[:] = [self.lengths[s] for s in order] + [0] * (self.slots - len(order))
+            self._free = list(range(len(order), self.slots))  # sorted: a valid heap
+
+    def release(self) -> None:
+        """Drop the arrays (no row is live): the next write allocates anew, as it needs."""
+        assert self.free_slots == self.slots, "release with live rows"
+        self.keys[:], self.values[:] = [], []  # (in place: a compiled forward's state)
+        self.capacity, self._wanted = 0, (0, 0)
 
     def write(self, slots: list[int], layer: int, keys: mx.array, values: mx.array) -> None:
-        """Write ``[len(slots), kv_heads, n, dim]`` keys and values at positions ``0..n-1``."""
-        n = keys.shape[2]
+        """Write ``[len(slots), kv_heads, n, dim]`` keys and values at positions ``0..n-1``
+        (rows added where a slot lies past them)."""
+        n, high = keys.shape[2], max(slots) + 1
         if not self.keys:
-            self._allocate(keys, values, n)
+            self._allocate(keys, values, max(high, self._wanted[0]), max(n, self._wanted[1]))
+        if high > self.rows:
+            self.resize(high, self.capacity)
         self.reserve(n)
         first = slots[0]
         if slots == list(range(first, first + len(slots))):  # the usual case: a slice
@@ -138,15 +185,15 @@ class SlotCache:
         for part, data in zip(stored, coded, strict=True):
             part[at] = data
 
-    def _allocate(self, keys: mx.array, values: mx.array, n: int) -> None:
-        self.capacity = -(-max(n, 1) // self.step) * self.step
+    def _allocate(self, keys: mx.array, values: mx.array, rows: int, n: int) -> None:
+        self.capacity, self._wanted = self.positions(max(n, 1)), (0, 0)
         heads = keys.shape[1]
         # In place: a compiled decode forward holds these lists as its state.
-        self.keys[:] = [self._zeros(heads, keys) for _ in range(self.num_layers)]
-        self.values[:] = [self._zeros(heads, values) for _ in range(self.num_layers)]
+        self.keys[:] = [self._zeros(rows, heads, keys) for _ in range(self.num_layers)]
+        self.values[:] = [self._zeros(rows, heads, values) for _ in range(self.num_layers)]
 
-    def _zeros(self, heads: int, like: mx.array) -> Stored:
-        lead, dim = (self.slots, heads, self.capacity), like.shape[3]
+    def _zeros(self, rows: int, heads: int, like: mx.array) -> Stored:
+        lead, dim = (rows, heads, self.capacity), like.shape[3]
         if self.bits is None:
             return mx.zeros((*lead, dim), like.dtype)
         packed = mx.zeros((*lead, dim * self.bits // 32), mx.uint32)
@@ -154,9 +201,12 @@ class SlotCache:
         return packed, scales, mx.zeros_like(scales)
 
 
-def _grow(a: mx.array, capacity: int) -> mx.array:
-    pad = mx.zeros((*a.shape[:2], capacity - a.shape[2], a.shape[3]), a.dtype)
-    return mx.concatenate([a, pad], axis=2)
+def _laid(a: mx.array, idx: mx.array, keep: int, rows: int, capacity: int) -> mx.array:
+    """Rows ``idx`` of ``a`` (their first ``keep`` positions) at the front of a
+    ``rows`` x ``capacity`` array; a gather, so a new buffer even where nothing pads."""
+    moved = a[idx, :, :keep] if idx.size else a[:0, :, :keep]
+    pad = [(0, rows - moved.shape[0]), (0, 0), (0, capacity - keep), (0, 0)]
+    return mx.pad(moved, pad) if rows > moved.shape[0] or capacity > keep else moved
 
 
 @dataclass

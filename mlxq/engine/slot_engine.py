@@ -13,6 +13,12 @@ row one token at its own position.
 Per-step logits processing over the whole batch: ``hooks``, see
 :class:`~mlxq.engine.protocol.BatchLogitsHook`.
 
+The cache follows the work: it holds rows for the jobs admitted (grown as they join,
+twice as many at a time, never past the jobs admitted), as many positions as its live
+rows need, shrinks when half its rows are unused and is dropped when no row is live, so
+a lone long job costs what it costs in mlx-lm; the scheduler admits jobs against the
+same shape (:mod:`mlxq.engine.scheduler`).
+
 With ``prefix_cache_bytes``, a job starts from the stored KV of a recurring prompt prefix
 (:mod:`mlxq.engine.prefix_cache`): the prefix is written into its group's rows and only
 the rest is prefilled; a job whose prefix recurs stores it from its rows after prefill.
@@ -42,6 +48,7 @@ from mlxq.engine.sampling import (
     RunningJob,
     StreamChunk,
 )
+from mlxq.engine.scheduler import cache_rows, grown_rows
 from mlxq.engine.slot_cache import SlotCache
 from mlxq.engine.slot_choices import DecodeChoices
 from mlxq.engine.slot_decode import (
@@ -113,7 +120,11 @@ class SlotEngine(Stepping, Joining):
         self.join_policy = JoinPolicy(
             wait=self.choices.join_wait, idle_budget=self.choices.join_cost * max_batch
         )
-        log.info("slot engine: batch %d, %s", max_batch, self.choices.describe())
+        log.info(
+            "slot engine: up to %d rows, its KV cache sized to the jobs admitted; %s",
+            max_batch,
+            self.choices.describe(),
+        )
         self._eos = set(tokenizer.eos_token_ids)
         self._new_cache()
         self._rows: dict[int, Row] = {}  # by slot
@@ -239,10 +250,17 @@ class SlotEngine(Stepping, Joining):
         done = self._join() if self._join_due() else []
         if self._steps % SORT_EVERY == 0 and self.choices.sorting:
             self._sort_rows()
+        try:
+            self._fit_cache()
+        except Exception as exc:  # (a cache half laid out: every decoding job fails)
+            return done + self._fail_batch(exc)
         if self._rows:
             done += self._decode()
         elif self._inflight is not None:  # its rows all left (cancelled)
             self._inflight = None
+        if not self._rows and self._cache.rows:  # idle: hold no cache
+            self._cache.release()
+            mx.clear_cache()  # (MLX keeps freed buffers for reuse: give them back)
         self._steps += 1
         return done
 
@@ -254,10 +272,46 @@ class SlotEngine(Stepping, Joining):
         if order is None:
             return
         self._cache.permute(order)
+        self._moved(order)
+        self._stats.sorts += 1
+
+    def _moved(self, order: list[int]) -> None:
+        """Bookkeeping after the cache moved slot ``order[i]`` to slot ``i``."""
         self._rows = slot_decode.move_rows(self._rows, order)
         for slot, row in self._rows.items():
             self._keys[row.run.job.key] = slot
-        self._stats.sorts += 1
+
+    def _fit_cache(self) -> None:
+        """Before a decode step, keep the cache to the work: room for the step (a whole
+        step more), half its rows unused shrunk away (:meth:`step` drops it when no row
+        is live). A resize packs the live rows at the front (one copy, as growing is)."""
+        cache = self._cache
+        if not self._rows:
+            return
+        need = max(cache.lengths[s] for s in self._rows) + 1
+        admitted = self.active
+        if need <= cache.capacity and 2 * admitted >= cache.rows:
+            return
+        order = sorted(self._rows)  # (admitted counts them: their rows fit)
+        cache.resize(min(cache.rows, cache_rows(admitted)), cache.positions(need), order)
+        self._moved(order)
+
+    def _room_for(self, slots: list[int], tokens: int) -> list[int]:
+        """Room for a joining group in ``slots`` (taken, not yet rows) with prompts of up
+        to ``tokens``; where the cache lacks rows or positions it is laid out anew (the
+        live rows, then the group's, packed at the front). The group's slots after."""
+        cache, live = self._cache, sorted(self._rows)
+        if max(slots) < cache.rows and tokens <= cache.capacity:
+            return slots
+        needed, admitted = len(live) + len(slots), self.active + len(slots)
+        if needed > cache.rows:
+            rows = grown_rows(needed, cache.rows, admitted, self.max_batch)
+        else:  # (longer prompts: the copy also drops rows no longer admitted)
+            rows = min(cache.rows, cache_rows(admitted))
+        need = max([tokens, *(cache.lengths[s] + 1 for s in live)])
+        cache.resize(rows, cache.positions(need), live + slots)
+        self._moved(live)
+        return list(range(len(live), needed))
 
     def _fail_batch(self, exc: Exception) -> list[Completion]:
         """Fail the decoding jobs; keep the waiting ones; start from a fresh slot cache."""

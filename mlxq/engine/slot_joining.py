@@ -8,6 +8,7 @@ the policy of when a group joins and which jobs it holds is :mod:`mlxq.engine.sl
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -43,6 +44,8 @@ class Joining:
     _inflight: Any
     _steps: int
     join_group: int  # (a property of the engine)
+    _room_for: Callable[[list[int], int], list[int]]  # (the engine's)
+    _fail_batch: Callable[[Exception], list[Completion]]
 
     def _join_due(self) -> bool:
         free = self._cache.free_slots
@@ -73,6 +76,11 @@ class Joining:
             tic = time.perf_counter()
             mx.eval(self._inflight.sampled, self._inflight.logprobs)
             self._stats.decode_seconds += time.perf_counter() - tic
+        try:
+            slots = self._room_for(slots, max(len(w.run.prompt) for w in group))
+        except Exception as exc:  # (a cache half laid out: every decoding job fails)
+            dropped = [self._drop(w, slot, exc) for w, slot in zip(group, slots, strict=True)]
+            return dropped + self._fail_batch(exc)
         tic = time.perf_counter()
         try:
             rows = prefill_group(
