@@ -50,6 +50,38 @@ def start_submit(url: str, path: Path, queue: str) -> tuple[subprocess.Popen, st
     raise AssertionError("submit did not print the batch id before enqueueing")
 
 
+class Worker:
+    """A long-lived ``mlxq worker`` process (never ``--burst`` unless ARGS say so), its
+    log in a file."""
+
+    def __init__(self, url: str, model: str, *args: str, log: Path) -> None:
+        self.log = log
+        cmd = [sys.executable, "-m", "mlxq", "worker", "--model", model, "--max-batch", "8"]
+        self.proc = subprocess.Popen(
+            [*cmd, *args],
+            cwd=ROOT,
+            env={**os.environ, "MLXQ_REDIS_URL": url},
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait_listening(self, conn: Any, timeout: float = 120) -> None:
+        """Until the worker has published itself (its model is loaded)."""
+        from mlxq.broker import fleet
+
+        deadline = time.monotonic() + timeout
+        while not fleet.live_workers(conn):
+            assert self.proc.poll() is None, self.log.read_text()
+            assert time.monotonic() < deadline, "the worker did not start"
+            time.sleep(0.1)
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(60)
+        return self.log.read_text()
+
+
 def free_port() -> int:
     """A loopback port nothing listens on (right now)."""
     with socket.socket() as s:

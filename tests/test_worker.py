@@ -51,7 +51,7 @@ def test_hostile_jobs_fail_without_running_anything(conn, profile, tmp_path):
     run_worker(profile, conn, burst=True, queues=["evil"])
     assert not marker.exists()
     for job_id, reason in (
-        (pickled.id, "not mlxq JSON"),
+        (pickled.id, "a Python pickle, which mlxq never loads"),
         (named.id, "only run mlxq.jobs.generate"),
     ):
         job = Job.fetch(job_id, connection=conn, serializer=serializer)

@@ -88,14 +88,29 @@ def register(worker: BaseWorker, group: list[Pulled]) -> list[Execution | str]:
     return start_script.start_jobs(worker, group)
 
 
+def _why_not_json(data: bytes, cause: BaseException | None) -> str:
+    """What is wrong with a payload that does not decode, in a few words."""
+    if data[:1] == b"\x80":
+        return "a Python pickle, which mlxq never loads"
+    if isinstance(cause, RecursionError):
+        return "nested deeper than mlxq reads"
+    if isinstance(cause, msgspec.DecodeError):
+        return (
+            f"{cause}; JSON has no NaN or Infinity"
+            if b"NaN" in data or b"Inf" in data
+            else str(cause)
+        )
+    return f"{type(cause).__name__}: {cause}" if cause else "unreadable"
+
+
 def decode_job(job: Job) -> Request:
     """The job's request, refusing anything that is not a valid mlxq job."""
     try:
         func, instance, args, kwargs = job.func_name, job.instance, job.args, job.kwargs
     except DeserializationError as e:
         raise JobRejected(
-            "job payload is not mlxq JSON; refusing it without deserializing "
-            "(mlxq never loads pickle). Submit with `mlxq submit` or the mlxq client"
+            f"job payload is not mlxq's JSON ({_why_not_json(job.data, e.__cause__)}); "
+            "refused unread. Submit with `mlxq submit` or the mlxq client"
         ) from e
     if func != keys.JOB_FUNC or instance is not None or kwargs or len(args) != 1:
         raise JobRejected(f"job calls {func!r}; mlxq workers only run {keys.JOB_FUNC}(request)")

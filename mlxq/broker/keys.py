@@ -81,6 +81,17 @@ def stranded(job_id: str) -> str:
     return f"{PREFIX}:stranded:{job_id}"
 
 
+def unaccounted(queue: str) -> str:
+    """Hash of the queue's jobs a sweep saw waiting or running while no list or registry held
+    them: job id -> when first seen so (dropped whole once nothing is unaccounted)."""
+    return f"{PREFIX}:unaccounted:{queue}"
+
+
+def audit_lock() -> str:
+    """Held by the one worker that looks for unaccounted jobs, for one sweep interval."""
+    return f"{PREFIX}:audit"
+
+
 def cancel_flag(job_id: str) -> str:
     """Set by ``mlxq cancel`` for a running job; its worker stops it at the next step."""
     return f"{PREFIX}:cancel:{job_id}"

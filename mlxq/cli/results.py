@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import TextIO
 
 import click
+import msgspec
 import redis
 
 from mlxq.broker import batches as q
-from mlxq.broker import fleet
+from mlxq.broker import fleet, unaccounted
 from mlxq.cli.fleet import print_queue_overview
 from mlxq.cli.support import connect, fail, progress_bar, redis_option
 from mlxq.cli.tables import emit_table
@@ -205,13 +206,21 @@ def status(batch_id: str | None, as_json: bool, redis_url: str) -> None:
         s = q.batch_status(conn, batch_id)
     except q.BatchNotFound as e:
         fail(str(e))
+    lost = unaccounted.find(conn, batch_id)
     if as_json:
-        click.echo(json_encoder.encode(s).decode())
+        out = msgspec.to_builtins(s)
+        click.echo(json_encoder.encode({**out, "unaccounted": lost} if lost else out).decode())
         return
     click.echo(
         f"batch {batch_id}: {s.done}/{s.total} done — {s.queued} queued, {s.started} "
         f"running, {s.finished} finished, {s.failed} failed, {s.cancelled} cancelled"
     )
+    if lost:
+        click.echo(
+            f"batch {batch_id}: {len(lost)} jobs wait or run by their status but no queue or "
+            "registry holds them; a worker's sweep puts them back on their queue after "
+            "--abandon-after seconds (see `mlxq status --json` for their ids)"
+        )
     if s.state != "submitted":
         click.echo(_incomplete(s, q.get_batch(conn, batch_id).source))
 

@@ -21,7 +21,7 @@ from rq.queue import Queue
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
-from mlxq.broker import fleet, intake, keys
+from mlxq.broker import fleet, intake, keys, unaccounted
 from mlxq.broker.recovery import requeue_abandoned, requeue_stranded
 from mlxq.broker.rq_store import internals, transitions
 from mlxq.broker.rq_store.job_loading import Unreadable
@@ -196,6 +196,8 @@ class MlxqWorker(BaseWorker):
             for queue in self.queues:
                 requeue_abandoned(queue)
                 requeue_stranded(queue, self.abandon_after)
+            names = [queue.name for queue in self.queues]
+            unaccounted.sweep(self.connection, names, self.abandon_after, RECOVERY_INTERVAL_S)
         if maintenance:
             self.run_maintenance_tasks()
 

@@ -13,6 +13,7 @@ import msgspec
 from rq.job import Job
 
 from mlxq.broker.intake import JobRejected, decode_job
+from mlxq.broker.rq_store import internals
 from mlxq.engine.prompts import JobInputError
 from mlxq.engine.runner import Runner
 from mlxq.wire import JobMeta, Request
@@ -49,6 +50,8 @@ def vet(runner: Runner, job: Job) -> Vetted | str:
 
 def _meta(job: Job) -> JobMeta:
     """The job's mlxq meta, or a rejection naming the field that is wrong."""
+    if internals.meta_unreadable(job):
+        raise JobRejected("invalid job meta: not JSON (mlxq writes batch_id, index, custom_id)")
     try:
         return msgspec.convert(job.meta or {}, JobMeta)
     except msgspec.ValidationError as e:

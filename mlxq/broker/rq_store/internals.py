@@ -41,6 +41,12 @@ def pubsub_error_handler(worker: BaseWorker) -> Any:
     return worker._pubsub_exception_handler
 
 
+def meta_unreadable(job: Job) -> bool:
+    """Whether RQ could not deserialize the job's meta (``Job.restore`` then keeps the raw
+    bytes aside and makes ``meta`` a stand-in dict)."""
+    return getattr(job, "_unreadable_meta", None) is not None
+
+
 def enqueue_again(queue: Queue, job: Job, pipe: Any, at_front: bool) -> None:
     """Put an existing job back on its queue (RQ's own requeue path, without its checks)."""
     queue._enqueue_job(job, pipeline=pipe, at_front=at_front)

@@ -27,6 +27,7 @@ from rq.queue import Queue
 from mlxq.broker.rq_store import transitions
 from mlxq.broker.rq_store.pull import drop_from_intermediate
 from mlxq.broker.rq_store.rq_keys import job_key
+from mlxq.broker.rq_store.states import ENDED
 from mlxq.broker.serializer import serializer
 
 log = logging.getLogger("mlxq.broker.intake")
@@ -88,9 +89,9 @@ def _inflated_size_over(data: bytes, max_bytes: int) -> str | None:
 
 def fail_unreadable(conn: redis.Redis, item: Unreadable, worker_name: str) -> None:
     """End a job that cannot be read: failed, with its reason as its error result, in RQ's
-    failed registry and its batch's counter, and out of the intermediate list. A job that
-    ended meanwhile (cancelled) is only dropped from the list; an id RQ cannot even name is
-    dropped and logged."""
+    failed registry and its batch's counter, and out of the intermediate list (whatever its
+    status says, unless it ended: cancelled meanwhile, it is only dropped from the list). An
+    id RQ cannot even name is dropped and logged."""
     status = item.raw.get(b"status", b"queued")
     try:
         job = Job(item.job_id, connection=conn, serializer=serializer)
@@ -98,7 +99,7 @@ def fail_unreadable(conn: redis.Redis, item: Unreadable, worker_name: str) -> No
         drop_from_intermediate(conn, item.queue, item.job_id)
         log.error("job id %r is not a valid RQ job id; dropped it: %s", item.job_id, item.reason)
         return
-    if status not in (b"queued", b"created"):
+    if status.decode(errors="replace") in ENDED:  # cancelled meanwhile: nothing to run
         drop_from_intermediate(conn, item.queue, item.job_id)
         return
     job.origin = item.queue.name
@@ -111,11 +112,17 @@ def fail_unreadable(conn: redis.Redis, item: Unreadable, worker_name: str) -> No
     log.error("job %s failed: %s", item.job_id, item.reason)
 
 
+# The meta fields a failure's result carries, with the type each must have to be kept.
+_META_TYPES = {"batch_id": str, "index": int, "custom_id": str}
+
+
 def _tolerant_meta(raw: bytes | None) -> dict[str, Any]:
-    """The meta's batch id where it can be read (so the batch counts the failure)."""
+    """The meta's fields that can be read (so the batch counts the failure, and its result
+    says which request it was)."""
     try:
         meta = serializer.loads(raw or b"{}")
     except Exception:
         return {}
-    batch_id = meta.get("batch_id") if isinstance(meta, dict) else None
-    return {"batch_id": batch_id} if isinstance(batch_id, str) else {}
+    if not isinstance(meta, dict):
+        return {}
+    return {k: meta[k] for k, kind in _META_TYPES.items() if isinstance(meta.get(k), kind)}

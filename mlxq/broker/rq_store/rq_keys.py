@@ -52,16 +52,17 @@ def intermediate_first_seen_key(queue: Queue, job_id: str) -> str:
 
 def registry_keys(queue: str) -> tuple[str, str, str]:
     """(started, finished, failed) registry keys of a queue."""
-    return (
-        started_key(queue),
-        finished_key(queue),
-        FailedJobRegistry.key_template.format(queue),
-    )
+    return started_key(queue), finished_key(queue), failed_key(queue)
 
 
 def started_key(queue: str) -> str:
     """A queue's started-job registry (execution composite keys scored by expiry)."""
     return StartedJobRegistry.key_template.format(queue)
+
+
+def failed_key(queue: str) -> str:
+    """A queue's failed-job registry (a sorted set scored by expiry)."""
+    return FailedJobRegistry.key_template.format(queue)
 
 
 def finished_key(queue: str) -> str:

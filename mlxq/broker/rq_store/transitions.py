@@ -21,6 +21,7 @@ from mlxq.broker.rq_store.counters import batch_of, move
 from mlxq.broker.rq_store.rq_keys import (
     execution_key,
     executions_key,
+    failed_key,
     finished_key,
     job_key,
     registry_score,
@@ -96,12 +97,13 @@ def end_job(
         execution_started_at=execution.created_at if execution else None,
         execution_ended_at=job.ended_at,
     )
-    if status == JobStatus.FINISHED:  # the common case, one command (RQ builds a registry)
-        pipe.zadd(finished_key(job.origin or queue.name), {job.id: registry_score(ttl)})
-    elif status == JobStatus.CANCELED:
+    # The registries by key, one command each: RQ's FailedJobRegistry.add rewrites the whole
+    # job (``Job.save``), which a job whose payload could not be read cannot do.
+    registry = finished_key if status == JobStatus.FINISHED else failed_key
+    if status == JobStatus.CANCELED:
         queue.canceled_job_registry.add(job, ttl, pipe)
     else:
-        job.failed_job_registry.add(job, ttl, exc_string=result.error or "", pipeline=pipe)
+        pipe.zadd(registry(job.origin or queue.name), {job.id: registry_score(ttl)})
     job.cleanup(ttl, pipeline=pipe, remove_from_queue=False)
     if worker is None:
         return

@@ -1,0 +1,111 @@
+"""Jobs a batch owns that nothing holds: found, reported and put back (defence in depth).
+
+Every path mlxq knows keeps a waiting or running job in a list or registry
+(``rq_store.whereabouts``); recovery sweeps those. This sweep covers the paths it does not
+know: a job whose status says ``queued`` or ``started`` while no list or registry holds it is
+marked the first time a sweep sees it, and put back on its queue, once, when a later sweep
+sees it so ``grace_s`` (a worker's ``--abandon-after``) on.
+
+It is cheap while nothing is lost: per queue, one transaction compares the batches' queued
+and started counters with how many entries the queue's places hold; only a queue whose
+counters say more jobs than its places hold is read job by job. One worker of the fleet
+runs it per interval (a lock), so a fleet of many workers costs the same as one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterable
+
+import msgspec
+import redis
+
+from mlxq.broker import keys
+from mlxq.broker.rq_store import counters, reads, whereabouts
+from mlxq.wire import BatchInfo
+
+log = logging.getLogger("mlxq.broker.recovery")
+
+_info = msgspec.json.Decoder(BatchInfo)
+LIVE = ("queued", "started")
+
+
+def sweep(conn: redis.Redis, queues: Iterable[str], grace_s: float, every_s: float) -> list[str]:
+    """Put back the unaccounted jobs of the active batches on ``queues`` (if no other
+    worker swept in the last ``every_s`` seconds); returns the ids put back."""
+    if not conn.set(keys.audit_lock(), 1, nx=True, px=max(1, int(every_s * 1000))):
+        return []
+    moved: list[str] = []
+    for queue, batch_ids in _active_batches(conn, set(queues)).items():
+        owed = _owed(conn, batch_ids)
+        if owed == 0 or owed <= whereabouts.holders_count(conn, queue):
+            whereabouts.forget_marks(conn, queue)  # every live job can be held: none is lost
+            continue
+        held = whereabouts.held_ids(conn, queue)
+        for batch_id in batch_ids:
+            for job_id in _unheld(conn, batch_id, held):
+                got = whereabouts.put_back_if_unheld(conn, job_id, queue, batch_id, grace_s)
+                if got == "requeued":
+                    moved.append(job_id)
+                    log.warning(
+                        "job %s of batch %s: waiting or running but held by no list or "
+                        "registry for %gs; put it back on %s",
+                        job_id,
+                        batch_id,
+                        grace_s,
+                        queue,
+                    )
+    return moved
+
+
+def find(conn: redis.Redis, batch_id: str) -> list[str]:
+    """The batch's jobs that wait or run by their status while no list or registry holds
+    them right now (empty for a batch with nothing left to run)."""
+    raw = conn.get(keys.batch_info(batch_id))
+    if raw is None or _owed(conn, [batch_id]) == 0:
+        return []
+    queue = _info.decode(raw).queue
+    return _unheld(conn, batch_id, whereabouts.held_ids(conn, queue))
+
+
+def _unheld(conn: redis.Redis, batch_id: str, held: set[str]) -> list[str]:
+    """The batch's live jobs (by status) that are not in ``held``."""
+    out: list[str] = []
+    start = 0
+    while True:
+        ids = [j.decode() for j in conn.lrange(keys.batch_jobs(batch_id), start, start + 999)]
+        out += [
+            job_id
+            for job_id, state in zip(ids, reads.job_states(conn, ids), strict=True)
+            if state in LIVE and job_id not in held
+        ]
+        if len(ids) < 1000:
+            return out
+        start += len(ids)
+
+
+def _active_batches(conn: redis.Redis, queues: set[str]) -> dict[str, list[str]]:
+    """The batches on ``queues`` that are not cancelled, by queue."""
+    batch_ids = [b.decode() for b in conn.zrange(keys.batches(), 0, -1)]
+    with conn.pipeline(transaction=False) as pipe:
+        for batch_id in batch_ids:
+            pipe.get(keys.batch_info(batch_id))
+        infos = pipe.execute()
+    by_queue: dict[str, list[str]] = defaultdict(list)
+    for batch_id, raw in zip(batch_ids, infos, strict=True):
+        if raw is None:
+            continue
+        info = _info.decode(raw)
+        if info.queue in queues and info.state != "cancelled":
+            by_queue[info.queue].append(batch_id)
+    return by_queue
+
+
+def _owed(conn: redis.Redis, batch_ids: list[str]) -> int:
+    """How many of the batches' jobs wait or run, by their counters."""
+    with conn.pipeline(transaction=False) as pipe:
+        for batch_id in batch_ids:
+            pipe.hgetall(keys.batch_counts(batch_id))
+        counts = [counters.read_counts(raw) for raw in pipe.execute()]
+    return sum(c["queued"] + c["started"] for c in counts)
