@@ -10,6 +10,14 @@ A job can also be stranded before it is registered: a worker moves ids from a qu
 RQ's intermediate queue, then registers them, and if it dies (or Redis goes away) in
 between, the ids stay there with status ``queued``. RQ's own cleanup fails such jobs after
 a minute, ten minutes apart; mlxq puts them back once they have sat there ``grace_s``.
+
+What the sweeps assume of RQ 3.0: a running job's execution is in its queue's started
+registry scored by its heartbeat's expiry (``Worker.prepare_execution`` and mlxq's
+``start_script`` both write it so); a pulled job sits in the queue's intermediate list
+(only ``pull`` takes jobs: RQ's own ``dequeue_any`` pops with BLPOP on several queues and
+leaves them in no list); RQ's own cleanup of the intermediate list, which would fail
+stranded jobs, is not run (``internals.clean_registries_but_intermediate``). A job in none
+of these places is ``unaccounted``'s business.
 """
 
 from __future__ import annotations
