@@ -48,7 +48,7 @@ def move_first(conn: redis.Redis, queues: Sequence[Queue]) -> tuple[Queue, str] 
     keys_: list[str] = []
     for queue in queues:
         keys_ += [queue.key, queue.intermediate_queue_key]
-    got = conn.eval(_MOVE_FIRST, len(keys_), *keys_)
+    got = conn.register_script(_MOVE_FIRST)(keys=keys_)  # EVALSHA: the script is sent once
     if not got:
         return None
     return queues[int(got[0]) - 1], _text(got[1])

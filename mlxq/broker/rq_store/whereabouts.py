@@ -112,9 +112,7 @@ def put_back_if_unheld(
     (status ``queued``, its batch counter with it), once."""
     intermediate = Queue(queue, connection=conn).intermediate_queue_key
     hash_key = job_key(job_id)
-    code = conn.eval(
-        _PUT_BACK,
-        7,
+    keys_ = [
         hash_key,
         queue_key(queue),
         intermediate,
@@ -122,11 +120,7 @@ def put_back_if_unheld(
         executions_key(job_id),
         keys.unaccounted(queue),
         keys.batch_counts(batch_id) if batch_id else hash_key,
-        job_id,
-        time.time(),
-        grace_s,
-        queue,
-        "1" if batch_id else "0",
-        max(2 * 3600, 2 * int(grace_s)),
-    )
+    ]
+    args = [job_id, time.time(), grace_s, queue, "1" if batch_id else "0"]
+    code = conn.register_script(_PUT_BACK)(keys=keys_, args=[*args, max(7200, 2 * int(grace_s))])
     return _OUTCOME[int(code)]
