@@ -20,6 +20,9 @@ class DeviceFacts(msgspec.Struct):
     recommended_bytes: int  # what MLX suggests keeping the working set under
     host: str
     os: str
+    # What memory the worker's caches live in, as workers on one host compare it: "system"
+    # (unified memory on a Mac, RAM on the CPU) or "cuda:N" (one GPU's own memory).
+    memory_domain: str = "system"
 
 
 def system_memory() -> int:
@@ -56,4 +59,14 @@ def device_facts() -> DeviceFacts:
         recommended_bytes=min(recommended, memory),
         host=platform.node(),
         os=f"{platform.system()} {platform.release()}",
+        memory_domain=memory_domain(backend),
     )
+
+
+def memory_domain(backend: str) -> str:
+    """Which memory this process allocates from: a CUDA worker only shares its GPU (the
+    first of ``CUDA_VISIBLE_DEVICES``, as MLX uses it) with workers pinned to the same one."""
+    if backend != "cuda":
+        return "system"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return f"cuda:{visible or '0'}"

@@ -109,6 +109,11 @@ class WorkerInfo(Struct):
     state: str = "running"
     # Seconds since the MLX thread last completed a step (while jobs are in flight).
     step_age_s: float | None = None
+    # What it holds of its machine's memory (weights + KV budget + prefix cache) and which
+    # memory that is (DeviceFacts.memory_domain): a worker starting on the same host sizes
+    # itself from what is left.
+    memory_claimed_bytes: int = 0
+    memory_domain: str = "system"
 
 
 class QueueInfo(Struct):

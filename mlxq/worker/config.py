@@ -8,6 +8,7 @@ The defaults are written once, in :mod:`mlxq.worker.profile` (``None`` in a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -17,14 +18,17 @@ from mlxq.engine.hardware import DeviceFacts
 from mlxq.engine.scheduler import (
     DEFAULT_PREFILL_BATCH,
     MAX_AUTO_BATCH,
+    PLANNED_JOB_TOKENS,
     PREFILL_TOKENS,
     auto_max_batch,
     memory_budget,
     quantized_kv_bytes,
     split_budget,
 )
-from mlxq.wire import ModelInfo
+from mlxq.errors import StartupError
+from mlxq.wire import ModelInfo, WorkerInfo
 from mlxq.worker.profile import STALL_TIMEOUT_S, WorkerProfile
+from mlxq.worker.sharing import Share, share
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,12 @@ class WorkerConfig:
     engine: str | None = None  # the batch engine asked for (None: chosen by the model)
     kv_bits: int | None = None  # a quantized slot cache (info.kv_bytes_per_token counts it)
     engine_max_batch: int = MAX_AUTO_BATCH  # the engine's own cap (--max-batch, else 256)
+    share: Share | None = None  # what it may hold beside the live workers on its memory
+
+    @property
+    def claimed_bytes(self) -> int:
+        """What it holds of its machine's memory at most: weights, KV budget, prefix cache."""
+        return self.info.param_bytes + self.kv_budget_bytes + self.prefix_cache_bytes
 
 
 def worker_queues(profile: WorkerProfile) -> tuple[str, ...]:
@@ -62,16 +72,33 @@ def worker_queues(profile: WorkerProfile) -> tuple[str, ...]:
     return (own,) if own == keys.DEFAULT_QUEUE else (own, keys.DEFAULT_QUEUE)
 
 
-def resolve(profile: WorkerProfile, facts: DeviceFacts, info: ModelInfo) -> WorkerConfig:
-    """The configuration of a worker serving ``info``'s model on ``facts``' machine."""
+def resolve(
+    profile: WorkerProfile,
+    facts: DeviceFacts,
+    info: ModelInfo,
+    neighbours: Sequence[WorkerInfo] = (),
+) -> WorkerConfig:
+    """The configuration of a worker serving ``info``'s model on ``facts``' machine, beside
+    ``neighbours`` (the live workers of this host: their memory is not this one's)."""
     if not profile.model and not info.name:
         raise ValueError("no model: pass --model (a local folder or a hub id) or a --profile")
     if profile.kv_bits is not None:  # the scheduler sizes batches on the quantized bytes
         kv = quantized_kv_bytes(info.kv_bytes_per_token, info.dtype, info.head_dim, profile.kv_bits)
         info = msgspec.structs.replace(info, kv_bytes_per_token=kv)
-    total = memory_budget(facts.recommended_bytes, info.param_bytes, profile.memory_fraction)
+    room = share(facts, profile.memory_fraction, list(neighbours))
+    total = memory_budget(room.limit_bytes, info.param_bytes, 1.0)
+    if room.others and total < info.kv_bytes_per_token * min(
+        info.context_length, PLANNED_JOB_TOKENS
+    ):
+        raise StartupError(_no_room(room, info))
     kv_bytes, prefix_bytes = split_budget(total, profile.prefix_cache_fraction)
     max_batch = profile.max_batch or auto_max_batch(kv_bytes, info.kv_bytes_per_token)
+    # Hold no more than max_batch jobs of the whole context can use, so workers beside it
+    # get the rest of the machine.
+    most = max_batch * info.context_length * info.kv_bytes_per_token
+    if kv_bytes > most:
+        total = int(most / (1 - profile.prefix_cache_fraction))
+        kv_bytes, prefix_bytes = split_budget(total, profile.prefix_cache_fraction)
     stall = profile.stall_timeout or STALL_TIMEOUT_S.get(facts.backend, STALL_TIMEOUT_S["cpu"])
     return WorkerConfig(
         model=profile.model or info.name,
@@ -95,4 +122,14 @@ def resolve(profile: WorkerProfile, facts: DeviceFacts, info: ModelInfo) -> Work
         engine=profile.engine,
         kv_bits=profile.kv_bits,
         engine_max_batch=profile.max_batch or MAX_AUTO_BATCH,
+        share=room,
+    )
+
+
+def _no_room(room: Share, info: ModelInfo) -> str:
+    return (
+        f"not enough memory left for this worker: {room.describe()}, and this model needs "
+        f"{info.param_bytes / 2**30:.2f} GiB of weights plus its KV cache; stop one of them, "
+        "start them with a smaller --memory-fraction or --max-batch, or run this worker on "
+        "another machine"
     )

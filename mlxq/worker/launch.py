@@ -19,6 +19,7 @@ from mlxq.engine.scheduler import Scheduler
 from mlxq.engine.weights import prepare_weights
 from mlxq.errors import StartupError, one_line
 from mlxq.wire import Result
+from mlxq.worker import sharing
 from mlxq.worker.config import WorkerConfig, resolve, worker_queues
 from mlxq.worker.profile import WorkerProfile
 from mlxq.worker.reporting import Reporter
@@ -36,15 +37,19 @@ class Setup:
     """Starting a worker's engine: the model is found (a hub id downloaded) and checked on
     the calling thread, so a model that cannot load fails in one line before anything is
     served; then the MLX thread loads it, resolves the configuration once (the device and
-    the model are known only then) and builds the engine and the scheduler from it."""
+    the model are known only then) and builds the engine and the scheduler from it.
 
-    def __init__(self, profile: WorkerProfile) -> None:
+    ``conn``: the Redis whose live workers on this host share its memory (read here, before
+    the model loads; see :mod:`mlxq.worker.sharing`)."""
+
+    def __init__(self, profile: WorkerProfile, conn: redis.Redis | None = None) -> None:
         if not profile.model:
             raise ValueError("no model: pass --model (a local folder or a hub id) or a --profile")
         self.profile = profile
         self.path = resolve_model(profile.model)
         if profile.adapter_path is not None:
             check_adapter(profile.adapter_path)
+        self.neighbours = sharing.neighbours(conn) if conn is not None else []
         self.config: WorkerConfig | None = None  # set on the MLX thread
         self.runner = Runner(self._engine, self._scheduler)
 
@@ -59,7 +64,7 @@ class Setup:
         loaded, tokenizer = load_model(model, self.path, profile.adapter_path)
         loaded = prepare_weights(loaded, facts.backend, facts.memory_bytes, profile.dequantize)
         info = model_info(loaded, model, vocab_size=len(tokenizer))
-        self.config = resolve(profile, facts, info)
+        self.config = resolve(profile, facts, info, self.neighbours)
         return engine_for(loaded, tokenizer, self.config)
 
     def _scheduler(self, engine: BatchEngine, facts: DeviceFacts) -> Scheduler:
@@ -117,6 +122,13 @@ def _log_sizing(config: WorkerConfig) -> None:
         config.kv_budget_bytes / 2**30,
         config.prefix_cache_bytes / 2**30,
     )
+    room = config.share
+    if room is not None and room.others:
+        log.info(
+            "memory: %s; this worker holds %.1f GiB (weights + KV budget + prefix cache)",
+            room.describe(),
+            config.claimed_bytes / 2**30,
+        )
     log.info(
         "model: %s (%s, %d layers, hidden %d, %d KV heads x %d, vocab %d, context %d, %s), "
         "%.2f GiB weights, %d KiB KV per token%s; batch up to %d",
@@ -153,7 +165,7 @@ def run_worker(
     """
     metrics = _serve_metrics(profile)
     if setup is None:
-        setup = Setup(profile)
+        setup = Setup(profile, conn)
         setup.start()
     config, runner = setup.config, setup.runner
     assert config is not None
@@ -205,4 +217,5 @@ def _reporter(worker: MlxqWorker, config: WorkerConfig, metrics: WorkerMetrics |
         config.facts,
         config.adapter_path,
         metrics,
+        claimed_bytes=config.claimed_bytes,
     )

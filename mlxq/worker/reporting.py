@@ -31,8 +31,10 @@ class Reporter:
         facts: DeviceFacts,
         adapter_path: str | None = None,
         metrics: WorkerMetrics | None = None,
+        claimed_bytes: int = 0,
     ) -> None:
         self.name, self.model, self.queues = name, model, queues
+        self.claimed_bytes = claimed_bytes  # weights + caches: what it holds of the memory
         self.facts, self.adapter_path, self.metrics = facts, adapter_path, metrics
         self.rate = fleet.RecentRate()
         self.done = self.failures = self.tokens = 0
@@ -101,4 +103,6 @@ class Reporter:
             started_at=self.started_at,
             heartbeat_at=time.time(),
             adapter_path=self.adapter_path,
+            memory_claimed_bytes=self.claimed_bytes,
+            memory_domain=self.facts.memory_domain,
         )

@@ -1,0 +1,106 @@
+"""Two workers on one machine (issue 28, item 4): the second sees the first through Redis
+and sizes its memory from what is left, or refuses in one line."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import redis
+
+from mlxq.worker.profile import WorkerProfile
+from tests.helpers import Worker, run_mlxq
+
+
+@pytest.fixture
+def long_model(tiny_model_dir: Path, tmp_path: Path) -> str:
+    """The tiny model with a 16M-token context: its KV budget is limited by memory alone
+    (max_batch x context never fits), as a real model's is."""
+    folder = tmp_path / "long"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2**24}))
+    return str(folder)
+
+
+def _held_gib(log: str) -> float:
+    found = re.search(r"this worker holds ([0-9.]+) GiB", log)
+    assert found, log
+    return float(found.group(1))
+
+
+def test_a_second_worker_takes_what_the_first_leaves(long_model, valkey_url, conn, tmp_path):
+    from mlxq.broker import fleet
+
+    first = Worker(valkey_url, long_model, "--memory-fraction", "0.5", log=tmp_path / "a.log")
+    try:
+        first.wait_listening(conn)
+        (info,) = fleet.live_workers(conn)
+        memory = info.memory_bytes
+        assert info.memory_claimed_bytes == pytest.approx(0.5 * memory, rel=0.01)
+        second = run_mlxq("worker", "--model", long_model, "--burst", url=valkey_url)
+    finally:
+        first.stop()
+    assert second.returncode == 0, second.stderr
+    # 75% of the memory for all workers on it, half of it held by the first
+    assert _held_gib(second.stderr) == pytest.approx(0.25 * memory / 2**30, abs=0.1)
+    assert f"1 live worker(s) on this host's memory ({info.name} (pid {info.pid})" in second.stderr
+
+
+def test_a_worker_with_no_memory_left_refuses_in_one_line(long_model, valkey_url, conn, tmp_path):
+    first = Worker(valkey_url, long_model, log=tmp_path / "a.log")
+    try:
+        first.wait_listening(conn)
+        second = run_mlxq("worker", "--model", long_model, "--burst", url=valkey_url)
+    finally:
+        first.stop()
+    assert second.returncode == 1
+    last = second.stderr.strip().splitlines()[-1]
+    assert last.startswith("mlxq: error: not enough memory left for this worker: 1 live worker")
+    assert "--memory-fraction" in last and "Traceback" not in second.stderr
+
+
+def test_small_workers_share_a_machine_and_a_dead_ones_record_is_ignored(
+    tiny_model, conn: redis.Redis
+):
+    """Workers whose batch x context is small hold only that; a record whose process is
+    gone (a crashed worker, until it expires) holds nothing."""
+    from mlxq.engine.hardware import DeviceFacts
+    from mlxq.wire import ModelInfo, WorkerInfo
+    from mlxq.worker.config import resolve
+    from mlxq.worker.sharing import neighbours
+
+    facts = DeviceFacts("metal", "dev", 16 * 2**30, 16 * 2**30, "host", "os")
+    info = ModelInfo("m", "llama", 16, 2048, 8, 64, 1000, 8192, 2**15, 2**30, "f16")
+    small = resolve(WorkerProfile(model="m", max_batch=4), facts, info)
+    assert small.kv_budget_bytes == 4 * 8192 * 2**15  # 1 GiB, not 11
+    whole = resolve(WorkerProfile(model="m"), facts, info)
+
+    def record(name: str, pid: int, held: int, domain: str = "system") -> WorkerInfo:
+        import socket
+
+        return WorkerInfo(
+            name, socket.gethostname(), pid, "m", ["q"], "metal", "dev", 16 * 2**30, 4, 0, 0,
+            0, 0, 0, 0, 0.0, 0.0, 0.0, memory_claimed_bytes=held, memory_domain=domain,
+        )  # fmt: skip
+
+    beside_small = resolve(
+        WorkerProfile(model="m"), facts, info, [record("a", 1, small.claimed_bytes)]
+    )
+    assert beside_small.claimed_bytes == pytest.approx(12 * 2**30 - small.claimed_bytes, abs=2)
+    other_gpu = resolve(
+        WorkerProfile(model="m"), facts, info, [record("b", 1, 12 * 2**30, "cuda:1")]
+    )
+    assert other_gpu.kv_budget_bytes == whole.kv_budget_bytes
+
+    from mlxq.broker import fleet
+
+    ended = subprocess.Popen(["true"])  # a pid that no longer runs
+    ended.wait()
+    fleet.publish(conn, record("gone", ended.pid, 12 * 2**30), ttl=30)
+    fleet.publish(conn, record("alive", 1, 12 * 2**30), ttl=30)  # init: always running
+    assert [w.name for w in neighbours(conn)] == ["alive"]
