@@ -38,8 +38,10 @@ def reference(model, tokenizer, tokens: list[int], request: Request) -> dict[str
             break
         out.append(token)
         logprobs.append(lp)
-    # Like mlx_lm.batch_generate, the text is the decode of the ids.
-    return {"tokens": out, "logprobs": logprobs, "text": tokenizer.decode(out)}
+    # Like mlx_lm.batch_generate, the text is the decode of the ids, less a character cut in
+    # half at the end (mlx-lm keeps its U+FFFD; mlxq drops it, as its streamed chunks do).
+    text = tokenizer.decode(out).rstrip("\ufffd")
+    return {"tokens": out, "logprobs": logprobs, "text": text}
 
 
 def run_all(engine: Engine, jobs: dict[str, Request], join_every: int = 0) -> dict[str, Completion]:

@@ -121,8 +121,9 @@ class RunningJob:
     ) -> Completion:
         """The job's Completion; a stream job's last output goes to ``chunks`` first."""
         # Like mlx_lm.batch_generate: decode the ids (keeps a leading space, unlike the
-        # streaming detokenizers).
-        done = self.completion(reason, tokenizer.decode(self.tokens), error)
+        # streaming detokenizers). A character cut in half by max_tokens decodes as U+FFFD:
+        # dropped, as the streamed chunks hold it back, so the two always agree.
+        done = self.completion(reason, tokenizer.decode(self.tokens).rstrip("\ufffd"), error)
         if self.job.request.stream:  # the rest of its output, before it is reported done
             rest_ids = done.token_ids[self.streamed_tokens :]
             rest_text = done.text[self.streamed_chars :]
