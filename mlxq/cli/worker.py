@@ -74,7 +74,8 @@ def worker_options(f: Callable) -> Callable:
         click.option(
             "--dequantize",
             type=click.Choice(["auto", "on", "off"]),
-            help="Dequantize quantized weights at load [default: auto = on CUDA when they fit].",
+            help="Dequantize quantized weights at load [default: auto = on CUDA when they fit, "
+            "on the CPU when a timed layer is faster dequantized; kept on Metal].",
         ),
         click.option(
             "--abandon-after",

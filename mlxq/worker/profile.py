@@ -44,7 +44,8 @@ class WorkerProfile(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # Store the slot KV cache quantized to 8 or 4 bits (8: about half the memory of
     # bfloat16, so about twice the batch); None keeps the model's dtype.
     kv_bits: Literal[8, 4] | None = None
-    # Quantized weights: "auto" dequantizes them at load on CUDA when they fit.
+    # Quantized weights: "auto" dequantizes them at load on CUDA when they fit, and on the
+    # CPU when a timed layer says it is faster (MLX's CPU quantized matmul is slow).
     dequantize: Literal["auto", "on", "off"] = "auto"
     # Serve Prometheus metrics on this port (needs the `metrics` extra).
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
