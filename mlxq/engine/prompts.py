@@ -80,12 +80,15 @@ class PromptEncoder:
                 )
         n = len(tokens)
         if n + max_tokens > ctx:
-            fix = (
-                f"shorten the prompt to at most {ctx - max_tokens} tokens or lower "
-                f"max_tokens to at most {ctx - n}"
-                if n < ctx
-                else f"shorten the prompt to under {ctx} tokens"
-            )
+            if n >= ctx:
+                fix = f"shorten the prompt to under {ctx} tokens"
+            elif max_tokens >= ctx:  # no prompt is short enough: only max_tokens can change
+                fix = f"lower max_tokens to at most {ctx - n} (alone it exceeds the context)"
+            else:
+                fix = (
+                    f"shorten the prompt to at most {ctx - max_tokens} tokens or lower "
+                    f"max_tokens to at most {ctx - n}"
+                )
             raise JobInputError(
                 f"the prompt is {n} tokens and max_tokens is {max_tokens}, together "
                 f"{n + max_tokens}, but the context of {self.info.name} is {ctx} tokens: {fix}"
