@@ -93,8 +93,14 @@ def _write_results(
 
 
 def emit_results(
-    conn: redis.Redis, batch_id: str, output: str, fmt: OutputFormat | None = None
+    conn: redis.Redis,
+    batch_id: str,
+    output: str,
+    fmt: OutputFormat | None = None,
+    unfinished: str = "rerun with --wait to wait for them",
 ) -> None:
+    """Write the batch's results to ``output``; fails naming ``unfinished`` (how to get
+    the rest) if some requests are not done."""
     fmt = fmt or OutputFormat()
     errors = fmt.errors or (_errors_path(output) if fmt.kind == "openai" else output)
     for path in {output, errors} - {"-"}:
@@ -105,10 +111,7 @@ def emit_results(
         also = f" (errors in {errors})" if errors != output else ""
         click.echo(f"wrote {written} results to {output}{also}", err=True)
     if missing:
-        fail(
-            f"{missing} of {written + missing} requests are not done yet; "
-            f"rerun with --wait to wait for them"
-        )
+        fail(f"{missing} of {written + missing} requests are not done yet; {unfinished}")
 
 
 def _errors_path(output: str) -> str:

@@ -70,7 +70,7 @@ def server(port: int, host: str, data_dir: Path, no_persist: bool, password: str
         persist=not no_persist,
         password=password,
     )
-    signal.signal(signal.SIGTERM, _interrupt)
+    stop_on_sigterm()
     try:
         _serve(srv, host, no_persist, data_dir)
     except KeyboardInterrupt:
@@ -96,6 +96,11 @@ def _serve(srv: EmbeddedServer, host: str, no_persist: bool, data_dir: Path) -> 
     fail("the server exited; see its log in " + str(srv.log_path))
 
 
+def stop_on_sigterm() -> None:
+    """From now on SIGTERM stops this process as Ctrl-C does (``KeyboardInterrupt``), so
+    it stops its Valkey and says so; Python's default ends it on the spot."""
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
 def _interrupt(signum: int, frame: FrameType | None) -> None:
-    """SIGTERM stops the server as Ctrl-C does (Python's default would leave Valkey)."""
     raise KeyboardInterrupt
