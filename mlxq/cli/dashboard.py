@@ -10,7 +10,7 @@ from __future__ import annotations
 import click
 
 from mlxq.api.auth import ENV_API_KEYS, load_keys
-from mlxq.cli.support import check_port_free, connect, redis_option
+from mlxq.cli.support import check_port_free, connect, log_level_option, redis_option
 from mlxq.errors import needs_extra
 from mlxq.server import is_loopback
 
@@ -38,9 +38,27 @@ def dashboard_keys(host: str, keys_file: str | None) -> list[str] | None:
     type=click.Path(exists=True, dir_okay=False),
     help=f"File of API keys, one per line (added to ${ENV_API_KEYS}); needed off loopback.",
 )
-@click.option("--log-level", default="warning", show_default=True)
-def dashboard(host: str, port: int, redis_url: str, keys_file: str | None, log_level: str) -> None:
+@click.option(
+    "--stuck-after",
+    default=5.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="MINUTES",
+    help="Flag a batch with work left when none of its jobs ended for this long.",
+)
+@log_level_option("warning")
+def dashboard(
+    host: str,
+    port: int,
+    redis_url: str,
+    keys_file: str | None,
+    stuck_after: float,
+    log_level: str,
+) -> None:
     """Serve a live page of every batch (progress, tok/s, ETA), worker and queue.
+
+    It flags what needs a person: jobs waiting on a queue no live worker serves, batches
+    with no job ended for --stuck-after minutes, failed jobs with their commonest reasons.
 
     \b
     Open http://127.0.0.1:8100/ (read-only; it refreshes itself every 2 s).
@@ -53,7 +71,7 @@ def dashboard(host: str, port: int, redis_url: str, keys_file: str | None, log_l
 
     check_port_free(host, port, "--port")
     conn = connect(redis_url)
-    app = create_dashboard_app(conn, api_keys)
+    app = create_dashboard_app(conn, api_keys, stuck_after_s=stuck_after * 60)
     shown = f"[{host}]" if ":" in host else host
     click.echo(f"mlxq dashboard on http://{shown}:{port}/ (Ctrl-C to stop)", err=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level.lower())

@@ -22,14 +22,33 @@ from mlxq.cli.support import connect, fail, progress_bar, redis_option
 from mlxq.cli.tables import emit_table
 from mlxq.formats.openai_output import ENDPOINTS, is_error, to_openai_line
 from mlxq.formats.table_output import TABLE_FORMATS
-from mlxq.wire import BatchStatus, Result, json_encoder
+from mlxq.wire import BatchInfo, BatchStatus, Result, json_encoder
 
 
 # -- waiting -----------------------------------------------------------------------------
 def wait_with_progress(conn: redis.Redis, batch_id: str, timeout: float | None) -> BatchStatus:
-    """Wait for a batch with a progress bar on stderr; exit 1 on ``timeout``."""
+    """Wait for a batch with a progress bar on stderr; on ``timeout`` or Ctrl-C, exit
+    non-zero saying how far it is and how to wait again."""
     info = q.get_batch(conn, batch_id)
     start = time.monotonic()
+    try:
+        status = _wait(conn, info, timeout)
+    except TimeoutError:
+        fail(_not_done(conn, info, f"after {timeout:g}s"))
+    except KeyboardInterrupt:
+        click.echo("", err=True)  # off the progress bar's line
+        fail(_not_done(conn, info, "when interrupted"), code=130)
+    rate = status.total / max(1e-9, time.monotonic() - start)
+    click.echo(
+        f"batch {batch_id}: {status.finished} finished, {status.failed} failed "
+        f"({rate:.1f} requests/s)",
+        err=True,
+    )
+    return status
+
+
+def _wait(conn: redis.Redis, info: BatchInfo, timeout: float | None) -> BatchStatus:
+    batch_id = info.batch_id
     with progress_bar(info.total, f"batch {batch_id}") as bar:
 
         def progress(s: BatchStatus) -> None:
@@ -40,17 +59,43 @@ def wait_with_progress(conn: redis.Redis, batch_id: str, timeout: float | None) 
                 )
             bar.update(s.done - bar.pos)
 
-        try:
-            status = q.wait_for_batch(conn, batch_id, timeout=timeout, on_progress=progress)
-        except TimeoutError as e:
-            fail(str(e))
-    rate = status.total / max(1e-9, time.monotonic() - start)
-    click.echo(
-        f"batch {batch_id}: {status.finished} finished, {status.failed} failed "
-        f"({rate:.1f} requests/s)",
-        err=True,
+        return q.wait_for_batch(conn, batch_id, timeout=timeout, on_progress=progress)
+
+
+def _not_done(conn: redis.Redis, info: BatchInfo, when: str) -> str:
+    """A batch stopped being waited on: how far it is, whether workers serve its queue,
+    and how to wait again."""
+    again = f"`mlxq results {info.batch_id} --wait -o FILE`"
+    try:
+        s = q.batch_status(conn, info.batch_id)
+        serving = [w.name for w in fleet.live_workers(conn) if info.queue in w.queues]
+    except redis.RedisError as e:
+        return f"batch {info.batch_id}: not done {when} (Redis: {e}); wait again with {again}"
+    head = f"batch {info.batch_id}: {s.done} of {s.total} done {when}"
+    if not serving:
+        model = f" --model {info.model}" if info.model else ""
+        return (
+            f"{head}; no live worker serves queue {info.queue!r}: start one (`mlxq worker"
+            f"{model} -q {info.queue}`), then wait with {again}"
+        )
+    return (
+        f"{head}; it keeps running on {len(serving)} live worker(s) of queue {info.queue!r} "
+        f"({', '.join(serving[:3])}{', ...' if len(serving) > 3 else ''}): wait again with "
+        f"{again}, or see `mlxq status {info.batch_id}`"
     )
-    return status
+
+
+def fail_on_failures(conn: redis.Redis, status: BatchStatus, output: str | None) -> None:
+    """Exit 1, with the commonest reasons, if some of a waited-on batch's requests failed."""
+    if not status.failed:
+        return
+    from mlxq.cli.run import _failures  # (run imports this module: imported when needed)
+
+    where = f"error lines in {output}" if output and output != "-" else "their results say why"
+    fail(
+        f"{status.failed} of {status.total} requests failed: "
+        f"{_failures(conn, status.batch_id)} ({where})"
+    )
 
 
 def _queue_tps(conn: redis.Redis, queue: str) -> float:
@@ -182,14 +227,16 @@ def results(
         fail("--with-input applies to --format csv or parquet")
     conn = connect(redis_url)
     try:
-        if wait:
-            wait_with_progress(conn, batch_id, timeout)
+        waited = wait_with_progress(conn, batch_id, timeout) if wait else None
         if fmt in TABLE_FORMATS:
             emit_table(conn, batch_id, output, fmt, with_input)
-            return
-        emit_results(conn, batch_id, output, OutputFormat(fmt, endpoint, errors))
+        else:
+            emit_results(conn, batch_id, output, OutputFormat(fmt, endpoint, errors))
     except q.BatchNotFound as e:
         fail(str(e))
+    if waited is not None:
+        errors_at = (errors or _errors_path(output)) if fmt == "openai" else output
+        fail_on_failures(conn, waited, errors_at)
 
 
 @click.command()

@@ -10,7 +10,7 @@ import redis
 
 from mlxq.broker import batches as q
 from mlxq.broker import keys
-from mlxq.cli.results import emit_results, wait_with_progress
+from mlxq.cli.results import emit_results, fail_on_failures, wait_with_progress
 from mlxq.cli.support import connect, fail, progress_bar, redis_option
 from mlxq.cli.tables import input_options
 from mlxq.formats.tables import InputOptions
@@ -24,13 +24,23 @@ def read_file(path: str, skip_invalid: bool, inputs: InputOptions | None = None)
     try:
         parsed = read_input(path, inputs or InputOptions(), skip_invalid=skip_invalid)
     except InputFileError as e:
-        what = "rows" if inputs and inputs.is_table(path) else "lines"
-        fail(f"{e}\nnothing was enqueued; fix the {what} above or pass --skip-invalid")
+        fail(_refusal(e, "rows" if inputs and inputs.is_table(path) else "lines"))
+    except FileNotFoundError:
+        fail(f"{path} does not exist (nothing was enqueued)")
     except OSError as e:
         fail(f"cannot read {path}: {e.strerror or e}")
     for err in parsed.errors:
         click.echo(f"skipped {error_place(path, inputs, err.line)}: {err.message}", err=True)
     return parsed
+
+
+def _refusal(e: Any, what: str) -> str:
+    """An input file's errors and what to do: --skip-invalid only where it leaves requests."""
+    if e.skippable:
+        return f"{e}\nnothing was enqueued; fix the {what} above or pass --skip-invalid"
+    if e.errors:
+        return f"{e}\nnothing was enqueued; fix the {what} above"
+    return f"{e} (nothing was enqueued)"
 
 
 @click.command()
@@ -105,7 +115,7 @@ def submit(
     the batch id first (on stderr, before enqueueing) and last.
 
     Lines are mlxq requests ({"prompt"|"messages", "max_tokens", ...}) or OpenAI Batch API
-    lines ({"custom_id", "method", "url", "body"}). A CSV or Parquet FILE (or JSONL with
+    lines ({"custom_id", "method", "url", "body"}). A CSV, TSV or Parquet FILE (or JSONL with
     --template) is a table: each row's prompt is --template filled from its columns. Any
     invalid line or row refuses the whole file (nothing is enqueued) unless --skip-invalid.
     A submit cut short leaves its batch `submitting`: finish it with --resume BATCH (same
@@ -187,6 +197,7 @@ def _resume(conn: redis.Redis, batch_id: str, requests: list):  # -> BatchInfo
 def _wait_and_write(
     conn: redis.Redis, batch_id: str, output: str | None, timeout: float | None
 ) -> None:
-    wait_with_progress(conn, batch_id, timeout)
+    status = wait_with_progress(conn, batch_id, timeout)
     if output:
         emit_results(conn, batch_id, output)
+    fail_on_failures(conn, status, output)

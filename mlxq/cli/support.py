@@ -7,6 +7,8 @@ import contextlib
 import errno
 import socket
 import sys
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -28,8 +30,49 @@ def redis_option(f: Callable) -> Callable:
         show_envvar=True,
         default=DEFAULT_LOCAL_URL,
         show_default=True,
+        callback=check_redis_url,
         help="Redis/Valkey to use (redis://, rediss:// for TLS, unix://).",
     )(f)
+
+
+def check_redis_url(_ctx: Any, _param: Any, url: str | None) -> str | None:
+    """A click callback: exit 1 in one line if ``url`` is not a Redis URL (as it is parsed,
+    before anything slow such as loading a model)."""
+    problem = url_problem(url) if url else None
+    if problem:
+        fail(problem)
+    return url
+
+
+def url_problem(url: str) -> str | None:
+    """What is wrong with the syntax of a Redis URL, with the fix, or None."""
+    shown = url if "@" not in url else "***@" + url.rpartition("@")[2]  # no password
+    if "://" not in url:
+        return (
+            f"--redis-url {shown} is not a URL: it needs a scheme (redis://, rediss:// for "
+            f"TLS, unix://), e.g. redis://{shown}"
+        )
+    try:
+        redis.connection.parse_url(url)
+    except ValueError as e:
+        return f"--redis-url {redacted(str(e), url)} (in {shown}); e.g. redis://127.0.0.1:6379/0"
+    return None
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def log_level_option(default: str = "info") -> Callable[[Callable], Callable]:
+    """``--log-level`` as every mlxq command takes it: the same choices, any case; the
+    command gets the level's name upper-cased (as ``logging`` spells it)."""
+    return click.option(
+        "--log-level",
+        default=default,
+        show_default=True,
+        type=click.Choice(LOG_LEVELS, case_sensitive=False),
+        callback=lambda _ctx, _param, v: v.upper(),
+        help="How much to log (debug adds tracebacks to errors).",
+    )
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -40,11 +83,59 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 @contextlib.contextmanager
 def progress_bar(total: int, label: str) -> Iterator[Any]:
-    """A click progress bar on stderr counting to ``total`` (position and ETA shown)."""
+    """A click progress bar on stderr counting to ``total``: position, and the time left at
+    the recent rate (:class:`RecentEta`)."""
+    eta = RecentEta(total)
     with click.progressbar(
-        length=total, label=label, file=sys.stderr, show_pos=True, show_eta=True, width=30
+        length=total, label=label, file=sys.stderr, show_pos=True, item_show_func=eta, width=30
     ) as bar:
+        eta.bar = bar
         yield bar
+
+
+class RecentEta:
+    """The time left, labelled, at the rate of the last ``window`` seconds of progress.
+
+    Measured from the first progress seen, so a slow start (a model compiling, a first
+    prefill) does not inflate it (click's ETA divides by the time since the start). A
+    click ``item_show_func``: called at each redraw, it reads the bar's position.
+    """
+
+    def __init__(
+        self, total: int, window: float = 60.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.total, self.window, self.clock = total, window, clock
+        self.bar: Any = None  # set once the bar exists
+        self._seen: deque[tuple[float, int]] = deque()  # (time, position) at each change
+        self._moved = False  # whether the position has changed since the bar started
+
+    def __call__(self, _item: object = None) -> str | None:
+        return None if self.bar is None else self.at(self.bar.pos)
+
+    def at(self, pos: int) -> str | None:
+        """``about 1m20s left`` at position ``pos`` now, or None while the rate is unknown."""
+        now = self.clock()
+        if not self._seen or (pos > self._seen[-1][1] and self._moved):
+            self._seen.append((now, pos))
+        elif pos > self._seen[-1][1]:  # the first progress: the rate is measured from here
+            self._seen = deque([(now, pos)])
+            self._moved = True
+        while len(self._seen) > 2 and self._seen[-1][0] - self._seen[1][0] >= self.window:
+            self._seen.popleft()
+        (t0, p0), (t1, p1) = self._seen[0], self._seen[-1]
+        if p1 <= p0 or t1 <= t0 or pos >= self.total:
+            return None
+        left = (self.total - pos) * (t1 - t0) / (p1 - p0)
+        return f"about {_duration(left)} left"
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds + 0.5)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s // 60 % 60:02d}m"
 
 
 def describe_url(url: str) -> str:
@@ -94,6 +185,9 @@ def connect(url: str, *, writes_jobs: bool = False) -> redis.Redis:
 
     ``writes_jobs``: also refuse a Redis that may evict keys (workers, submit, the API).
     """
+    problem = url_problem(url)
+    if problem:
+        fail(problem)
     where = describe_url(url)
     try:
         conn = q.connect(url)

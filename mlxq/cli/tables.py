@@ -26,6 +26,7 @@ _DEFAULT_OPTIONS = [
     ),
     click.option(
         "--temperature",
+        "--temp",  # mlx_lm's name for it
         type=click.FloatRange(0, 10),
         help="Sampling temperature (0: greedy), for requests that do not set it.",
     ),

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from mlxq.cli.support import connect, fail, redis_option
+from mlxq.cli.support import connect, fail, log_level_option, redis_option
 from mlxq.worker.profile import DEFAULTS, STALL_TIMEOUT_S
 
 STALLED_EXIT = 3  # `mlxq worker` exit status when its engine stalled (restart it)
@@ -102,12 +102,7 @@ def worker_options(f: Callable) -> Callable:
             f"puts them back and exits with status {STALLED_EXIT} [default: "
             f"{STALL_TIMEOUT_S['metal']:g} on a GPU, {STALL_TIMEOUT_S['cpu']:g} on the CPU].",
         ),
-        click.option(
-            "--log-level",
-            default="INFO",
-            show_default=True,
-            type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-        ),
+        log_level_option("info"),
         click.option(
             "--log-format",
             type=click.Choice(["text", "json"]),

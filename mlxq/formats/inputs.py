@@ -82,10 +82,19 @@ class InputFileError(ValueError):
     followed by ``summary`` when there is one (e.g. ``no requests in FILE``).
     """
 
-    def __init__(self, path: str, errors: list[LineError], summary: str | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        errors: list[LineError],
+        summary: str | None = None,
+        *,
+        skippable: bool = False,
+    ) -> None:
         self.path = path
         self.errors = list(errors)
         self.summary = summary
+        # Whether skipping the bad lines leaves requests to submit (--skip-invalid helps).
+        self.skippable = skippable
         super().__init__(self.report())
 
     def report(self, max_listed: int = MAX_REPORTED_ERRORS) -> str:
@@ -152,11 +161,11 @@ def checked(
     what: str = "requests",
 ) -> ParsedInput:
     """``parsed``, or ``error`` if it has bad lines (unless skipped) or no requests at all."""
-    if parsed.errors and not skip_invalid:
-        raise error(name, parsed.errors)
     if not parsed.requests:
         summary = f"no valid {what} in {name}" if parsed.errors else f"no {what} in {name}"
         raise error(name, parsed.errors, summary)
+    if parsed.errors and not skip_invalid:
+        raise error(name, parsed.errors, skippable=True)
     return parsed
 
 

@@ -1,4 +1,4 @@
-"""Tables in: every row of a CSV, Parquet or JSONL table becomes one request.
+"""Tables in: every row of a CSV, TSV, Parquet or JSONL table becomes one request.
 
 The prompt is a template filled from the row's columns (``"Q: {question}"``, Python's
 format syntax, where a field names a whole column: ``{first name}`` and ``{a.b}`` are the
@@ -10,7 +10,8 @@ request its ``custom_id`` (``row-N`` otherwise). The row itself is kept in the r
 Rows are numbered from 1, the header not counted (for JSONL tables, the line number). A
 template field naming a column the file does not have refuses the file; a row without a
 value for it (a short CSV row, a Parquet null, a JSON object without the key) is an error
-that names the row. CSV is read with the standard library (UTF-8, an optional BOM);
+that names the row. CSV and TSV (``.tsv``: tab-separated) are read with the standard
+library (UTF-8, an optional BOM);
 Parquet needs pyarrow (``pip install 'mlxq[parquet]'``).
 """
 
@@ -19,6 +20,8 @@ from __future__ import annotations
 import csv
 import datetime
 import decimal
+import errno
+import os
 import string
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -41,7 +44,7 @@ from mlxq.formats.inputs import InputFileError, ParsedInput, checked, read_reque
 from mlxq.wire import Message, Request
 
 PARQUET = "reading and writing Parquet"  # what needs the `parquet` extra
-TABLE_SUFFIXES = (".csv", ".parquet", ".pq")
+TABLE_SUFFIXES = (".csv", ".tsv", ".parquet", ".pq")
 
 
 class TableFileError(InputFileError):
@@ -94,20 +97,23 @@ def _open_table(path: str) -> tuple[list[str] | None, Rows]:
     if path == "-":
         raise TableFileError(path, [], "a table is read from a file, not stdin: give its path")
     suffix = Path(path).suffix.lower()
-    if suffix == ".csv":
-        return _csv_rows(path)
+    if suffix in (".csv", ".tsv"):
+        return _csv_rows(path, "\t" if suffix == ".tsv" else ",")
     if suffix in (".parquet", ".pq"):
+        if not Path(path).exists():  # before asking for the extra that reads it
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
         return _parquet_rows(path)
     return None, _jsonl_rows(path)
 
 
-def _csv_rows(path: str) -> tuple[list[str], Rows]:
+def _csv_rows(path: str, delimiter: str = ",") -> tuple[list[str], Rows]:
     f = Path(path).open(newline="", encoding="utf-8-sig")
-    reader = csv.reader(f)
+    reader = csv.reader(f, delimiter=delimiter)
     header = next(reader, None)
     if header is None:
         f.close()
-        raise TableFileError(path, [], f"no rows in {path} (a CSV table starts with a header)")
+        kind = "TSV" if delimiter == "\t" else "CSV"
+        raise TableFileError(path, [], f"no rows in {path} (a {kind} table starts with a header)")
     twice = sorted({c for c in header if header.count(c) > 1})
     if twice:
         f.close()
