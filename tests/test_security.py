@@ -21,12 +21,14 @@ from mlxq.worker.profile import WorkerProfile
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "s3cret-Pa55-do-not-leak"
-# The ACL the README recommends for mlxq's producers and workers.
-ACL_RULES = " ".join(
+# The ACL the README recommends for mlxq's producers and workers: its rules, then the
+# per-queue line once for each queue mlxq serves (the tests' "sec").
+_ACL_LINES = [
     line
     for line in (ROOT / "deploy" / "mlxq.acl").read_text().splitlines()
     if line.strip() and not line.startswith("#")
-)
+]
+ACL_RULES = " ".join([_ACL_LINES[0], *(_ACL_LINES[1].replace("QUEUE", q) for q in ["sec"])])
 
 
 def _server(tmp_path: Path, **config: str):
@@ -87,10 +89,20 @@ def test_least_privilege_acl_user_can_do_everything_mlxq_needs(tiny_model, tmp_p
         url = f"redis://mlxq:{SECRET}@127.0.0.1:{server.port}/0"
         assert SECRET not in _roundtrip(url, tiny_model, tmp_path)
         conn = redis.Redis.from_url(url)
-        with pytest.raises(redis.exceptions.NoPermissionError):
-            conn.flushall()  # dangerous commands stay out of reach
-        with pytest.raises(redis.exceptions.NoPermissionError):
-            conn.set("not-mlxq:key", 1)  # and so do other applications' keys
+        for reach in (
+            conn.flushall,  # dangerous commands stay out of reach
+            lambda: conn.set("not-mlxq:key", 1),  # and so do other applications' keys,
+            lambda: conn.lpush("rq:queue:theirs", "job-id"),  # other RQ apps' queues,
+            lambda: conn.zadd("rq:wip:theirs", {"job-id": 1}),  # and their registries,
+            lambda: conn.sadd("rq:groups", "g"),  # RQ's globals mlxq only reads,
+            lambda: conn.scan(0),  # every key's name,
+            conn.randomkey,
+            lambda: conn.execute_command("FUNCTION", "FLUSH"),  # every user's code
+            lambda: conn.execute_command("SCRIPT", "FLUSH"),
+            lambda: conn.execute_command("SCRIPT", "KILL"),
+        ):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                reach()
     finally:
         server.stop()
 
