@@ -184,3 +184,26 @@ def test_mlxq_worker_on_the_gguf_streams_clean_non_ascii_and_refuses_an_overlong
     refused = client.result(overlong)
     assert refused.error is not None and "\n" not in refused.error
     assert "context of" in refused.error and "8192 tokens" in refused.error
+
+
+def test_rows_sorted_often_keep_mlx_lm_s_tokens(smollm, monkeypatch) -> None:  # noqa: F811
+    """Issue 31: a sort moved live rows into the slots of rows that had just ended on EOS
+    and fed them a one-step-old token ("can help help protect"). Small attention groups and
+    a sort at every step make moves constant; every answer must stay mlx-lm's."""
+    from mlxq.engine import slot_choices, slot_decode, slot_engine, slot_order
+
+    model, tokenizer = smollm
+    monkeypatch.setattr(slot_decode, "GROUP_ROWS", 2)
+    monkeypatch.setattr(slot_engine, "SORT_EVERY", 1)
+    monkeypatch.setattr(slot_order, "SORT_GAIN", 0.999)
+    monkeypatch.setenv(slot_choices.SORT_ENV, "1")
+    asks = ["Name a fruit.", "What color is the sky?", "Say hello.", "Count to five."]
+    asks += [text for text, _ in QUESTIONS] + ["Write two sentences about the sea."]
+    jobs = {f"s{i}": chat(text, max_tokens=12 + 4 * (i % 4)) for i, text in enumerate(asks)}
+    sorted_engine = make_engine(model, tokenizer, "smollm", max_batch=16)
+    done = run(sorted_engine, jobs, join_every=1)
+    assert sorted_engine.stats().sorts >= 3
+    assert sum(c.finish_reason == "stop" for c in done.values()) >= 4  # rows end on EOS
+    for key, request in jobs.items():
+        ref = reference(model, tokenizer, sorted_engine.encode(request), request)
+        assert done[key].token_ids == ref["tokens"], key
