@@ -7,6 +7,8 @@ keys when full; RQ job hashes and results go first and nothing reports it (rq/rq
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import redis
 
 SAFE_POLICY = "noeviction"
@@ -42,3 +44,32 @@ def eviction_problem(policy: str | None, host: str = "HOST", port: int | str = 6
         f"(ElastiCache, Memorystore, Azure Cache, ...) set maxmemory-policy to {SAFE_POLICY} "
         "in its parameter group or settings"
     )
+
+
+DEFAULT_PROTO_MAX_BULK_LEN = 512 * 1024 * 1024  # Redis's default, assumed where CONFIG is denied
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What a Redis server lets a worker write: its eviction policy (None when unreadable),
+    its ``maxmemory`` (0 for none) and the largest value one command may carry."""
+
+    policy: str | None
+    maxmemory: int = 0
+    proto_max_bulk_len: int = DEFAULT_PROTO_MAX_BULK_LEN
+
+
+def server_limits(conn: redis.Redis) -> ServerLimits:
+    """The server's limits, read as :func:`maxmemory_policy` reads the policy (``INFO
+    memory``, then ``CONFIG GET``); a limit that cannot be read is Redis's default."""
+    try:
+        memory = conn.info("memory")
+    except redis.ResponseError:
+        memory = {}
+    policy = memory.get("maxmemory_policy") or maxmemory_policy(conn)
+    bulk = DEFAULT_PROTO_MAX_BULK_LEN
+    try:
+        bulk = int(conn.config_get("proto-max-bulk-len").get("proto-max-bulk-len") or bulk)
+    except (redis.ResponseError, ValueError):
+        pass  # CONFIG denied (managed services, mlxq's ACL): Redis's default holds there
+    return ServerLimits(policy, int(memory.get("maxmemory") or 0), bulk)

@@ -9,7 +9,7 @@ writes run in one optimistic transaction that watches the jobs' hashes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import msgspec
@@ -35,6 +35,7 @@ class InFlight:
     meta: JobMeta
     started_at: float
     stop_reason: FinishReason | None = None  # "timeout"/"cancelled" when the worker stopped it
+    prompt_tokens: int = 0  # as vetting tokenized it: usage for jobs the engine never counted
 
 
 class Held(Protocol):
@@ -52,26 +53,59 @@ def still_held(conn: redis.Redis, items: Sequence[Held]) -> list[bool]:
         return [score is not None for score in pipe.execute()]
 
 
-def write_results(worker: BaseWorker, done: list[tuple[InFlight, Result]]) -> list[InFlight]:
-    """Store results of jobs this worker still holds; returns the ones it had lost.
+@dataclass
+class Written:
+    """What became of results sent to Redis: the jobs this worker had lost meanwhile, and
+    the results Redis refused, each with its error (the rest were written)."""
+
+    lost: list[InFlight] = field(default_factory=list)
+    refused: list[tuple[InFlight, Result, redis.ResponseError]] = field(default_factory=list)
+
+    def add(self, other: Written) -> None:
+        """Take in the outcome of another write."""
+        self.lost += other.lost
+        self.refused += other.refused
+
+
+def write_results(worker: BaseWorker, done: list[tuple[InFlight, Result]]) -> Written:
+    """Store results of jobs this worker still holds.
 
     Finished jobs (most) end through :mod:`~mlxq.broker.rq_store.end_script`, one script
-    call each; the others through RQ's objects, in one transaction.
+    call each, and Redis answers for each alone; the others through RQ's objects, in one
+    transaction, tried again job by job when Redis refuses it. A lost connection raises.
     """
     fast: list[tuple[InFlight, Result]] = []
     rest: list[tuple[InFlight, Result]] = []
     for inf, r in done:
         (fast if end_script.applies(inf.job, r) else rest).append((inf, r))
     endings = [end_script.Ending(inf.job, inf.queue, inf.execution, r) for inf, r in fast]
-    held = end_script.end_finished(worker, endings)
-    lost = [inf for (inf, _), ok in zip(fast, held, strict=True) if not ok]
-    return lost + _write_through_rq(worker, rest)
+    written = Written()
+    for (inf, r), ok in zip(fast, end_script.end_finished(worker, endings), strict=True):
+        if isinstance(ok, redis.ResponseError):
+            written.refused.append((inf, r, ok))
+        elif not ok:
+            written.lost.append(inf)
+    written.add(_write_through_rq(worker, rest))
+    return written
 
 
-def _write_through_rq(worker: BaseWorker, done: list[tuple[InFlight, Result]]) -> list[InFlight]:
+def _write_through_rq(worker: BaseWorker, done: list[tuple[InFlight, Result]]) -> Written:
     """:func:`write_results` for jobs the script does not end, through RQ's objects."""
     if not done:
-        return []
+        return Written()
+    try:
+        return Written(lost=_transaction(worker, done))
+    except redis.ResponseError as e:
+        if len(done) == 1:
+            return Written(refused=[(*done[0], e)])
+        written = Written()  # one bad job fails the transaction: find it
+        for item in done:
+            written.add(_write_through_rq(worker, [item]))
+        return written
+
+
+def _transaction(worker: BaseWorker, done: list[tuple[InFlight, Result]]) -> list[InFlight]:
+    """Write ``done`` in one transaction; the jobs found lost."""
     with worker.connection.pipeline() as pipe:
         while True:
             try:
@@ -103,6 +137,7 @@ def build_result(inf: InFlight, c: Completion, model: str, worker: str) -> Resul
     stopped = c.finish_reason == "cancelled" and inf.stop_reason is not None
     reason = inf.stop_reason if stopped and inf.stop_reason else c.finish_reason
     error = c.error
+    prompt = c.prompt_tokens or inf.prompt_tokens  # a job that never ran still had a prompt
     if reason == "timeout" and error is None:
         error = f"stopped after the job's {inf.job.timeout}s time limit"
     return Result(
@@ -111,7 +146,7 @@ def build_result(inf: InFlight, c: Completion, model: str, worker: str) -> Resul
         finish_reason=reason,
         text=c.text,
         token_ids=c.token_ids,
-        usage=Usage(c.prompt_tokens, n, c.prompt_tokens + n),
+        usage=Usage(prompt, n, prompt + n),
         logprobs=c.logprobs,
         error=error,
         model=model,

@@ -30,14 +30,14 @@ from mlxq.engine.runner import Runner, Work
 from mlxq.engine.sampling import Completion, EngineJob
 from mlxq.wire import Result
 from mlxq.worker import watchdog
-from mlxq.worker.outage import Outage
+from mlxq.worker.outage import WRITE_REFUSALS, Outage, ServerWatch, refuses_writes
 from mlxq.worker.outcomes import InFlight, build_result, unrun_result
 from mlxq.worker.profile import DEFAULTS, STALL_TIMEOUT_S
 from mlxq.worker.reporting import Reporter
 from mlxq.worker.stopping import release_all
 from mlxq.worker.vetting import Vetted, vet
 from mlxq.worker.watchdog import EngineStalled
-from mlxq.worker.writeback import Failure, Writeback
+from mlxq.worker.writeback import MAX_RESULT_BYTES, Failure, ResultLimit, Writeback, result_limit
 
 log = logging.getLogger("mlxq.worker")
 
@@ -64,6 +64,7 @@ class MlxqWorker(BaseWorker):
         max_job_bytes: int = DEFAULTS.max_job_bytes,
         grace_period: float = DEFAULTS.grace_period,
         stall_timeout: float = STALL_TIMEOUT_S["metal"],
+        max_result_bytes: int = MAX_RESULT_BYTES,
     ) -> None:
         # Heartbeats every third of `abandon_after`: a job whose worker misses three is
         # put back on its queue by the other workers.
@@ -84,7 +85,11 @@ class MlxqWorker(BaseWorker):
         self.stall_timeout = stall_timeout
         self.stalled = False
         self.inflight: dict[str, InFlight] = {}
-        self.owed = Writeback()  # ended jobs (and stream output) not yet written to Redis
+        # Ended jobs (and stream output) not yet written to Redis; results over the tightest
+        # of max_result_bytes and the server's limits fail their job instead.
+        self.max_result_bytes = max_result_bytes
+        self.owed = Writeback(ResultLimit(max_result_bytes))
+        self.server_watch = ServerWatch(self.log, self.name)  # evicting policy: intake paused
         self.jobs_done = 0
         self.reporter: Reporter | None = None  # set by the launcher: fleet info, metrics
         # Called with each finished job's Result (progress bars, metrics).
@@ -121,19 +126,27 @@ class MlxqWorker(BaseWorker):
         self, burst: bool = False, logging_level: str = "INFO", max_jobs: int | None = None
     ) -> bool:
         """Serve the queues until stopped (or, with ``burst``, until they are empty)."""
-        self.bootstrap(logging_level)
+        outage = Outage(self.log, self.name)
+        self._bootstrap(logging_level, outage)
         internals.install_signal_handlers(self)
         self.set_state(WorkerStatus.IDLE)
-        outage = Outage(self.log, self.name)
         try:
             while not (internals.stop_requested(self) or self._force_stop):
                 try:
+                    self._check_server_if_due()
                     done = self._pass(burst, max_jobs)
                 except (redis.ConnectionError, redis.TimeoutError) as e:
                     time.sleep(outage.lost(e, len(self.owed)))
                     self._last_beat = 0.0  # back from an outage: heartbeat first thing
                     continue
+                except redis.ResponseError as e:
+                    if not refuses_writes(e):
+                        raise
+                    time.sleep(outage.refused(e, len(self.owed)))  # full: hold, take nothing
+                    self._last_beat = 0.0
+                    continue
                 outage.passed()
+                self._rest_while_paused()
                 if done:
                     break
             self._wind_down()
@@ -145,7 +158,7 @@ class MlxqWorker(BaseWorker):
             if not self.stalled:  # a hung MLX thread never joins: do not wait for it
                 self.runner.stop()
                 self._forget()
-            self.teardown()
+            self._teardown()
         return self.jobs_done > 0
 
     def _pass(self, burst: bool, max_jobs: int | None) -> bool:
@@ -159,7 +172,7 @@ class MlxqWorker(BaseWorker):
         busy = bool(self.inflight or self.owed)
         if max_jobs is not None and self.jobs_done >= max_jobs and not busy:
             return True
-        pulled = self._pull(block=not busy and not burst)
+        pulled = 0 if self.intake_paused else self._pull(block=not busy and not burst)
         if burst and not pulled and not self.inflight:
             self.log.info("Worker %s: queues empty, nothing in flight: done", self.name)
             return True
@@ -365,7 +378,7 @@ class MlxqWorker(BaseWorker):
             try:
                 self._finish(self.runner.completions(timeout=0.1))
                 self._beat_if_due()
-            except (redis.ConnectionError, redis.TimeoutError):
+            except (redis.ConnectionError, redis.TimeoutError, *WRITE_REFUSALS):
                 time.sleep(0.5)
 
     def _forget(self) -> None:
@@ -383,3 +396,41 @@ class MlxqWorker(BaseWorker):
         self.pubsub_thread = self.pubsub.run_in_thread(
             sleep_time=0.25, daemon=True, exception_handler=internals.pubsub_error_handler(self)
         )
+
+    # -- the server under a running worker (``outage.ServerWatch``) ---------------------
+    @property
+    def intake_paused(self) -> bool:
+        """True while this worker takes no new jobs because Redis may evict keys (its
+        ``maxmemory-policy`` is not ``noeviction``, as read every ``CHECK_INTERVAL_S``);
+        jobs in flight still finish and are written."""
+        return self.server_watch.paused
+
+    def _check_server_if_due(self) -> None:
+        """Read the server's policy and limits when due (pausing intake on an evicting
+        policy) and fit the largest result written to them."""
+        if self.server_watch.check_if_due(self.connection):
+            self.owed.limit = result_limit(self.max_result_bytes, self.server_watch.limits)
+
+    def _rest_while_paused(self) -> None:
+        """An idle worker with its intake paused waits here instead of a blocking pull."""
+        if self.intake_paused and not self.inflight and not self.owed:
+            time.sleep(IDLE_PULL_TIMEOUT_S)
+
+    def _bootstrap(self, logging_level: str, outage: Outage) -> None:
+        """RQ's start-up (registering this worker), retried while Redis refuses writes."""
+        while True:
+            try:
+                self.bootstrap(logging_level)
+                return
+            except redis.ResponseError as e:
+                if not refuses_writes(e):
+                    raise
+                time.sleep(outage.refused(e, 0))
+
+    def _teardown(self) -> None:
+        """RQ's teardown (unregistering this worker); a Redis that is away or full leaves
+        the record to expire by itself."""
+        try:
+            self.teardown()
+        except redis.RedisError as e:
+            self.log.warning("Worker %s: could not unregister (%s); it expires", self.name, e)

@@ -2,7 +2,10 @@
 
 The MLX thread hands over finished jobs once; if Redis goes away mid-write they must not
 be dropped (the engine has let go of them, and nothing else would ever end them). They wait
-here, in order, and the next pass writes them once Redis is back.
+here, in order, and the next pass writes them once Redis is back; while Redis refuses every
+write (full, read-only) they wait too. A result Redis cannot take (larger than it accepts,
+or refused for that job alone) fails its own job with an error result that fits, and never
+holds up the others.
 """
 
 from __future__ import annotations
@@ -10,37 +13,88 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
+import redis
 from rq.executions import Execution
 from rq.job import Job
 from rq.queue import Queue
 from rq.worker import BaseWorker
 
 from mlxq.broker import streams
+from mlxq.broker.eviction import ServerLimits
 from mlxq.engine.sampling import StreamChunk
-from mlxq.wire import Result
-from mlxq.worker.outcomes import InFlight, still_held, write_results
+from mlxq.wire import Result, json_encoder
+from mlxq.worker.outage import refuses_writes
+from mlxq.worker.outcomes import InFlight, Written, still_held, write_results
+
+MAX_RESULT_BYTES = 64 * 1024 * 1024  # the default cap on one stored result, well above use
+MIN_BULK_LEN = 1024 * 1024  # Redis's smallest proto-max-bulk-len
 
 
 @dataclass
 class Failure:
     """A registered job to fail (or retry) through RQ: a generation error, or a job refused
-    at vetting (``reason`` is its category for the worker's counters)."""
+    at vetting (``reason`` is its category for the worker's counters). ``retry`` False ends
+    it at once: running it again would only make the same result."""
 
     job: Job
     queue: Queue
     execution: Execution
     result: Result
     reason: str = "error"
+    retry: bool = True
+
+
+@dataclass(frozen=True)
+class ResultLimit:
+    """The largest result a worker writes, in bytes as stored, and which limit sets it."""
+
+    max_bytes: int = MAX_RESULT_BYTES
+    source: str = "the worker's max result size"
+
+
+def result_limit(setting: int, server: ServerLimits | None) -> ResultLimit:
+    """The tightest of the worker's own cap and what the server takes: one command's value
+    (``proto-max-bulk-len``; more drops the connection) and a quarter of ``maxmemory``."""
+    limits = [ResultLimit(setting)]
+    if server is not None:
+        bulk = server.proto_max_bulk_len
+        limits.append(ResultLimit(bulk, f"Redis's proto-max-bulk-len of {bulk:,} bytes"))
+        if server.maxmemory:  # (never below the smallest bulk limit Redis allows)
+            quarter = max(server.maxmemory // 4, MIN_BULK_LEN)
+            limits.append(ResultLimit(quarter, f"a quarter of Redis's maxmemory ({quarter:,})"))
+    return min(limits, key=lambda limit: limit.max_bytes)
+
+
+def stored_size(result: Result) -> int:
+    """Bytes of a result as Redis stores it (RQ's base64 of its JSON)."""
+    return 4 * -(-len(json_encoder.encode(result)) // 3)
+
+
+def refused_result(result: Result, why: str) -> Result:
+    """``result`` as a failure that fits: usage, timing and ids kept, the output dropped."""
+    return msgspec.structs.replace(
+        result, finish_reason="error", text="", token_ids=[], logprobs=None, error=why
+    )
+
+
+def too_large(size: int, limit: str) -> str:
+    """The error of a result Redis cannot take, and what to change."""
+    return (
+        f"result of {size:,} bytes too large for Redis ({limit}); "
+        "lower max_tokens or logprobs, or raise the limit"
+    )
 
 
 class Writeback:
     """Stream chunks, stream end markers, failures and results waiting to be written."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: ResultLimit | None = None) -> None:
         self.chunks: list[StreamChunk] = []
         self.stream_ends: list[tuple[str, str]] = []  # (job id, finish reason)
         self.failed: list[Failure] = []
         self.done: list[tuple[InFlight, Result]] = []
+        self.limit = limit or ResultLimit()
 
     def __len__(self) -> int:
         """Ended jobs still owed."""
@@ -54,12 +108,97 @@ class Writeback:
         if self.chunks or self.stream_ends:
             streams.publish(worker.connection, self.chunks, self.stream_ends)
             self.chunks, self.stream_ends = [], []
+        self._refuse_oversized()
+        lost = self._write_done(worker)
         if self.failed:
             held = still_held(worker.connection, self.failed)  # one round trip for all
             for is_held in held:
                 if is_held:
-                    fail(self.failed[0])
+                    _fail_one(worker, self.failed[0], fail)
                 self.failed.pop(0)  # done: a Redis error in a later one keeps the rest
-        lost = write_results(worker, self.done)
-        self.done = []
         return lost
+
+    def _refuse_oversized(self) -> None:
+        """Fail, before any write, the results larger than the limit."""
+        keep = []
+        for inf, r in self.done:
+            size = stored_size(r)
+            if size <= self.limit.max_bytes:
+                keep.append((inf, r))
+                continue
+            error = too_large(size, f"over {self.limit.source}")
+            self._refuse(inf, r, error)
+        self.done = keep
+
+    def _refuse(self, inf: InFlight, result: Result, why: str) -> None:
+        failure = Failure(
+            inf.job, inf.queue, inf.execution, refused_result(result, why), "too_large", False
+        )
+        self.failed.append(failure)
+
+    def _write_done(self, worker: BaseWorker) -> list[InFlight]:
+        """Write the owed results: the lost jobs. Those Redis refuses for themselves become
+        failures; while it refuses every write, they stay owed and its error propagates."""
+        try:
+            written = write_results(worker, self.done)
+            self.done = []
+        except redis.ConnectionError:
+            if not _answers(worker.connection):
+                raise  # Redis is away: everything stays owed
+            # Redis is there but dropped the connection on this write (a value over its
+            # proto-max-bulk-len does that): find the result it chokes on, one at a time.
+            written = self._one_by_one(worker)
+        for inf, r, e in written.refused:
+            if refuses_writes(e):
+                self.done.append((inf, r))
+            elif "bulk length" in str(e):  # Redis's answer before it drops the connection
+                self._refuse(inf, r, _over_bulk_limit(r))
+            else:
+                self._refuse(inf, r, f"Redis refused this job's result ({e})")
+        if self.done:
+            raise next(e for _, _, e in written.refused if refuses_writes(e))
+        return written.lost
+
+    def _one_by_one(self, worker: BaseWorker) -> Written:
+        written = Written()
+        while self.done:
+            inf, r = self.done[0]
+            try:
+                written.add(write_results(worker, [(inf, r)]))
+            except redis.ConnectionError:
+                if not _answers(worker.connection):
+                    raise
+                self._refuse(inf, r, _over_bulk_limit(r))
+            self.done.pop(0)
+        return written
+
+
+def _over_bulk_limit(result: Result) -> str:
+    """The error of a result Redis dropped the connection on (its limit was not known)."""
+    return too_large(stored_size(result), "over its proto-max-bulk-len")
+
+
+def _fail_one(worker: BaseWorker, f: Failure, fail: Callable[[Failure], None]) -> None:
+    """Fail one job; a job whose failure Redis refuses (but not a Redis that refuses all
+    writes) is left to the sweep, which puts it back once its heartbeat lapses."""
+    if not f.retry:
+        f.job.retries_left = 0  # RQ reads it from the job object: not written back
+    try:
+        fail(f)
+    except redis.ResponseError as e:
+        if refuses_writes(e):
+            raise
+        worker.log.error(
+            "Worker %s: Redis refused to end job %s (%s); left for the sweep",
+            worker.name,
+            f.job.id,
+            e,
+        )
+
+
+def _answers(conn: redis.Redis) -> bool:
+    """Whether Redis answers right now (after a write dropped the connection)."""
+    try:
+        return bool(conn.ping())
+    except redis.ConnectionError:
+        return False

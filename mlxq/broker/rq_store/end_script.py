@@ -7,6 +7,13 @@ inside a transaction, and RQ's Python around them: 256 jobs ending in one decode
 the worker's thread 34 ms on a 2-core CPU while the device waited; one ``EVALSHA`` a job
 takes 18 ms (half of it the server's own work). Anything else (failures, cancels, a result
 TTL of 0, which deletes the job) still goes through RQ's objects.
+
+What the script assumes: the job's execution (``job_id:execution_id``) is still in its
+queue's started registry. Where it is not, a sweeper took the job back (this worker missed
+its heartbeats: the job waits or runs elsewhere) and the late result is dropped; where
+something else took the entry (RQ's own registry cleanup, a person), the job is left
+``started`` in no registry, which ``unaccounted`` puts back on its queue: it runs again, it
+is never lost.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from datetime import datetime
 from typing import Any
 
 import msgspec
+import redis
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
@@ -91,10 +99,11 @@ def applies(job: Job, result: Result) -> bool:
     )
 
 
-def end_finished(worker: BaseWorker, endings: Sequence[Ending]) -> list[bool]:
+def end_finished(worker: BaseWorker, endings: Sequence[Ending]) -> list[bool | redis.ResponseError]:
     """End each job (see the module docstring) and count it in the worker's RQ counters, in
-    one round trip; whether each was still this worker's (a job handed to another worker
-    meanwhile is left untouched)."""
+    one round trip; for each, whether it was still this worker's (a job handed to another
+    worker meanwhile is left untouched), or the error Redis refused its script with (a
+    full Redis, a job's key of the wrong type: the others are ended all the same)."""
     if not endings:
         return []
     with worker.connection.pipeline(transaction=False) as pipe:
@@ -102,9 +111,10 @@ def end_finished(worker: BaseWorker, endings: Sequence[Ending]) -> list[bool]:
         for e in endings:
             keys_, args = _call(e, worker)
             script(keys=keys_, args=args)
-        done = [bool(ok) for ok in pipe.execute()]
+        replies = pipe.execute(raise_on_error=False)
+    done = [r if isinstance(r, redis.ResponseError) else bool(r) for r in replies]
     for e, ok in zip(endings, done, strict=True):
-        if ok:
+        if ok is True:
             e.job._status = JobStatus.FINISHED
             worker.executions.pop(e.execution.id, None)
     return done
