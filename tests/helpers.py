@@ -31,11 +31,11 @@ def run_mlxq(
     )
 
 
-def start_submit(url: str, path: Path, queue: str) -> tuple[subprocess.Popen, str]:
-    """Start ``mlxq submit PATH --queue QUEUE`` and read the batch id it prints before
+def start_submit(url: str, path: Path, queue: str, *args: str) -> tuple[subprocess.Popen, str]:
+    """Start ``mlxq submit PATH --queue QUEUE ARGS`` and read the batch id it prints before
     enqueueing; returns the process (stderr piped) and the batch id."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlxq", "submit", str(path), "--queue", queue],
+        [sys.executable, "-m", "mlxq", "submit", str(path), "--queue", queue, *args],
         cwd=ROOT,
         env={**os.environ, "MLXQ_REDIS_URL": url},
         stdout=subprocess.DEVNULL,

@@ -1,0 +1,190 @@
+"""The lines a newcomer read that misled them (issue 28, "Misleading lines"), each run as
+the user ran it: ``python -m mlxq ...`` against a real Valkey."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from mlxq.broker import batches as q
+from tests.helpers import Worker, run_mlxq, start_submit
+
+
+def _one_error_line(res: subprocess.CompletedProcess) -> str:
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mlxq: error: "), res.stderr
+    return lines[0]
+
+
+def _jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_a_redis_url_without_a_scheme_is_a_url_error(tmp_path):
+    for args in (("status",), ("worker", "--model", "no/such-model")):
+        res = run_mlxq(*args, "--redis-url", "localhost:6379")
+        line = _one_error_line(res)
+        assert "is not a URL" in line and "redis://localhost:6379" in line, line
+        assert "cannot reach" not in line
+    hidden = run_mlxq("status", "--redis-url", "user:pw123@localhost:6379")
+    assert "pw123" not in hidden.stderr and "redis://***@localhost:6379" in hidden.stderr
+
+
+def test_the_worker_checks_redis_credentials_before_the_model(tmp_path):
+    from mlxq.server import make_server
+
+    server = make_server(data_dir=tmp_path / "valkey")
+    server._config.update(requirepass="right")
+    server.start()
+    try:
+        url = server.connection_url.replace("redis://", "redis://:wrong@") + "/0"
+        res = run_mlxq("worker", "--model", "no/such-model", "--burst", url=url)
+    finally:
+        server.stop()
+    line = _one_error_line(res)
+    assert "refused the credentials" in line and "wrong" not in line
+
+
+def test_skip_invalid_is_suggested_only_where_it_helps(valkey_url, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    no_prompt = tmp_path / "q.csv"
+    no_prompt.write_text("question\nWhy?\n")
+    all_bad = _jsonl(tmp_path / "bad.jsonl", [{"max_tokens": 3}])
+    for path in (str(empty), str(no_prompt), all_bad):
+        res = run_mlxq("submit", path, url=valkey_url)
+        assert res.returncode == 1 and "--skip-invalid" not in res.stderr, res.stderr
+        assert "nothing was enqueued" in res.stderr
+    _one_error_line(run_mlxq("submit", str(empty), url=valkey_url))
+    mixed = _jsonl(tmp_path / "mixed.jsonl", [{"prompt": "hi"}, {"max_tokens": 3}])
+    res = run_mlxq("submit", mixed, url=valkey_url)
+    assert res.returncode == 1 and "or pass --skip-invalid" in res.stderr
+
+
+def test_a_missing_parquet_file_is_said_not_to_exist(valkey_url, tmp_path):
+    res = run_mlxq("submit", str(tmp_path / "nope.parquet"), url=valkey_url)
+    line = _one_error_line(res)
+    assert "nope.parquet does not exist" in line and "extra" not in line
+
+
+def test_a_tsv_file_is_read_as_a_tab_separated_table(valkey_url, conn, tmp_path):
+    from mlxq.formats.tables import InputOptions, read_input
+
+    tsv = tmp_path / "q.tsv"
+    tsv.write_text('id\tprompt\na\tHello, world\nb\tSay "hi"\n')
+    parsed = read_input(str(tsv), InputOptions(id_column="id"))
+    assert [(r.custom_id, r.prompt) for r in parsed.requests] == [
+        ("a", "Hello, world"),
+        ("b", 'Say "hi"'),
+    ]
+    res = run_mlxq("submit", str(tsv), "--id-column", "id", "--queue", "tsv", url=valkey_url)
+    assert res.returncode == 0, res.stderr
+    assert q.batch_status(conn, res.stdout.split()[-1]).total == 2
+
+
+def test_temp_is_temperature(valkey_url, conn, tmp_path):
+    from rq.job import Job
+
+    from mlxq.serializer import JSONSerializer
+
+    src = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    res = run_mlxq("submit", src, "--temp", "0.25", "--queue", "t", url=valkey_url)
+    assert res.returncode == 0, res.stderr
+    (job_id,) = q.batch_job_ids(conn, res.stdout.split()[-1])
+    job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+    assert "0.25" in json.dumps(job.args)
+
+
+def test_log_level_is_one_option_everywhere():
+    for command in ("worker", "run", "dashboard"):
+        res = run_mlxq(command, "--help")
+        assert "--log-level [debug|info|warning|error]" in res.stdout, (command, res.stdout)
+    res = run_mlxq("worker", "--log-level", "Verbose")
+    assert res.returncode == 2 and "'debug', 'info', 'warning', 'error'" in res.stderr
+
+
+def _publish_worker(conn: redis.Redis, queue: str) -> None:
+    """A live worker on ``queue`` as Redis sees one (busy elsewhere: it takes nothing)."""
+    import socket
+
+    from mlxq.broker import fleet
+    from mlxq.wire import WorkerInfo
+
+    info = WorkerInfo(
+        "busy-1", socket.gethostname(), os.getpid(), "m", [queue], "cpu", "cpu", 2**30, 4,
+        0, 0, 4, 0, 0, 0, 0.0, time.time(), time.time(),
+    )  # fmt: skip
+    fleet.publish(conn, info, ttl=60)
+
+
+def test_wait_timeout_says_whether_a_worker_serves_the_queue(valkey_url, conn, tmp_path):
+    src = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    alone = run_mlxq(
+        "submit", src, "--queue", "lonely", "--wait", "--timeout", "0.5", url=valkey_url
+    )
+    line = alone.stderr.strip().splitlines()[-1]
+    assert alone.returncode == 1
+    assert "0 of 1 done after 0.5s; no live worker serves queue 'lonely'" in line, line
+    assert "mlxq worker -q lonely" in line
+    _publish_worker(conn, "served")
+    served = run_mlxq(
+        "submit", src, "--queue", "served", "--wait", "--timeout", "0.5", url=valkey_url
+    )
+    line = served.stderr.strip().splitlines()[-1]
+    assert served.returncode == 1 and "is a worker running" not in served.stderr
+    assert "keeps running on 1 live worker(s) of queue 'served' (busy-1)" in line, line
+    assert "mlxq results" in line and "--wait" in line
+
+
+def test_ctrl_c_of_wait_says_the_batch_keeps_running(valkey_url, tmp_path):
+    src = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    proc, batch = start_submit(valkey_url, Path(src), "cc", "--wait")
+    assert proc.stderr is not None
+    for line in proc.stderr:  # the progress bar's label: it is waiting
+        if line.strip() == f"batch {batch}":
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    last = err.strip().splitlines()[-1]
+    assert proc.returncode == 130 and "Aborted!" not in err, err
+    assert "0 of 1 done when interrupted" in last and "mlxq results" in last, last
+
+
+def test_wait_exits_non_zero_with_the_failure_reasons(tiny_model, valkey_url, conn, tmp_path):
+    rows = [{"prompt": "hi", "max_tokens": 2}] + [{"prompt": "hi", "max_tokens": 4000}] * 2
+    src = _jsonl(tmp_path / "in.jsonl", rows)
+    worker = Worker(valkey_url, tiny_model, "-q", "fails", log=tmp_path / "w.log")
+    try:
+        worker.wait_listening(conn)
+        out = tmp_path / "out.jsonl"
+        res = run_mlxq("submit", src, "--queue", "fails", "--wait", "-o", str(out), url=valkey_url)
+    finally:
+        worker.stop()
+    assert res.returncode == 1
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("mlxq: error: 2 of 3 requests failed: 2x "), last
+    assert "max_tokens is 4000" in last and f"error lines in {out}" in last
+    assert len(out.read_text().splitlines()) == 3
+
+
+def test_the_time_left_is_labelled_and_follows_recent_progress():
+    from mlxq.cli.support import RecentEta
+
+    now = [0.0]
+    eta = RecentEta(100, window=60, clock=lambda: now[0])
+    assert eta.at(0) is None
+    now[0] = 100.0  # a slow start: the model compiles, the first prefill runs
+    assert eta.at(10) is None  # one point is no rate
+    now[0] = 110.0
+    assert eta.at(20) == "about 1m20s left"  # 1/s since the first progress (click: 7m20s)
+    for t in range(120, 400, 10):  # then 0.2/s: the first rate leaves the window
+        now[0] = float(t)
+        text = eta.at(20 + (t - 110) // 5)
+    assert text == "about 2m00s left", text  # 24 left at 0.2/s (at 1/s: 24s)
