@@ -6,6 +6,12 @@ policy set under a running worker stops its intake until the policy is fixed."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -19,6 +25,7 @@ from mlxq.worker import outage
 from mlxq.worker.launch import Setup, _reporter, run_worker
 from mlxq.worker.profile import WorkerProfile
 from mlxq.worker.rq_worker import MlxqWorker
+from tests.helpers import ROOT
 
 BIG = Request(prompt="Tell a story", max_tokens=1900, logprobs=20, custom_id="big")  # ~1.4 MB
 SMALL = [Request(prompt=f"Hello {i}", max_tokens=4, custom_id=f"small-{i}") for i in range(3)]
@@ -176,3 +183,50 @@ def test_an_evicting_policy_set_under_the_worker_pauses_its_intake(
     assert any("maxmemory-policy is noeviction again" in m for m in paused.messages)
     s = q.batch_status(conn, info.batch_id)
     assert (s.finished, s.queued) == (3, 0), s
+
+
+def _start_worker(url: str, model: str, queue: str) -> tuple[subprocess.Popen, list[str]]:
+    """``mlxq worker`` as a user starts it (long-lived), its output lines collected."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxq", "worker", "--model", model, "-q", queue, "--max-batch", "4"],
+        cwd=ROOT,
+        env={**os.environ, "MLXQ_REDIS_URL": url},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True).start()
+    return proc, lines
+
+
+def _wait(pred: Callable[[], bool], proc: subprocess.Popen, lines: list[str], what: str) -> None:
+    deadline = time.monotonic() + 180
+    while not pred():
+        assert proc.poll() is None, "".join(lines)
+        assert time.monotonic() < deadline, f"no {what}:\n" + "".join(lines)
+        time.sleep(0.1)
+
+
+def test_a_worker_started_on_a_full_redis_waits_for_it(conn, server, tiny_model, valkey_url):
+    """A long-lived worker meets a Redis that is already full: it says so and waits (no
+    traceback, no exit), then serves every job exactly once when there is room again."""
+    info = q.submit(conn, SMALL, queue="full")
+    server.config_set("maxmemory", 1)
+    proc, lines = _start_worker(valkey_url, tiny_model, "full")
+    try:
+        _wait(lambda: any("Redis is full" in x for x in lines), proc, lines, "'Redis is full'")
+        assert q.batch_status(conn, info.batch_id).queued == 3
+        server.config_set("maxmemory", 0)
+        _wait(lambda: q.batch_status(conn, info.batch_id).finished == 3, proc, lines, "results")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    out = "".join(lines)
+    assert proc.returncode == 0 and "Traceback" not in out, out
+    assert "CONFIG SET maxmemory" in out and "Redis accepting writes again" in out, out
+    s = q.batch_status(conn, info.batch_id)
+    assert (s.finished, s.failed, s.queued, s.started) == (3, 0, 0, 0), s
+    assert [r.custom_id for r in q.iter_batch_results(conn, info.batch_id)] == [
+        f"small-{i}" for i in range(3)
+    ]
