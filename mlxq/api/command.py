@@ -12,7 +12,7 @@ import click
 
 from mlxq.api import serving
 from mlxq.api.auth import ENV_ADMIN_KEYS, ENV_API_KEYS, load_key_roles
-from mlxq.cli.support import check_port_free, connect, redis_option
+from mlxq.cli.support import check_port_free, connect, log_level_option, redis_option
 from mlxq.server import is_loopback
 
 
@@ -89,7 +89,7 @@ def resolve_keys(keys_file: str | None, no_auth: bool, host: str) -> dict[str, b
     type=click.IntRange(min=1),
     help="Open connections at most; more are answered 503 [default: half the open-file limit].",
 )
-@click.option("--log-level", default="info", show_default=True)
+@log_level_option("info")
 def api_command(
     host: str,
     port: int,
