@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import redis
 
@@ -34,6 +35,18 @@ def _refusal_hint(error: redis.ResponseError) -> str:
     if isinstance(error, redis.ReadOnlyError):
         return "Redis is a read-only replica: point the worker at the primary"
     return f"Redis refuses writes ({error}): see its log"
+
+
+def while_refused(call: Callable[[], object], outage: Outage) -> None:
+    """Run ``call``, again after each back-off while Redis refuses writes."""
+    while True:
+        try:
+            call()
+            return
+        except redis.ResponseError as e:
+            if not refuses_writes(e):
+                raise
+            time.sleep(outage.refused(e, 0))
 
 
 class Outage:

@@ -10,6 +10,7 @@ generating meanwhile and results are written once Redis is back.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from mlxq.engine.runner import Runner, Work
 from mlxq.engine.sampling import Completion, EngineJob
 from mlxq.wire import Result
 from mlxq.worker import watchdog
-from mlxq.worker.outage import WRITE_REFUSALS, Outage, ServerWatch, refuses_writes
+from mlxq.worker.outage import WRITE_REFUSALS, Outage, ServerWatch, refuses_writes, while_refused
 from mlxq.worker.outcomes import InFlight, build_result, unrun_result
 from mlxq.worker.profile import DEFAULTS, STALL_TIMEOUT_S
 from mlxq.worker.reporting import Reporter
@@ -127,7 +128,7 @@ class MlxqWorker(BaseWorker):
     ) -> bool:
         """Serve the queues until stopped (or, with ``burst``, until they are empty)."""
         outage = Outage(self.log, self.name)
-        self._bootstrap(logging_level, outage)
+        while_refused(lambda: self.bootstrap(logging_level), outage)  # a full Redis: wait
         internals.install_signal_handlers(self)
         self.set_state(WorkerStatus.IDLE)
         try:
@@ -158,7 +159,8 @@ class MlxqWorker(BaseWorker):
             if not self.stalled:  # a hung MLX thread never joins: do not wait for it
                 self.runner.stop()
                 self._forget()
-            self._teardown()
+            with contextlib.suppress(redis.RedisError):  # away or full: its record expires
+                self.teardown()
         return self.jobs_done > 0
 
     def _pass(self, burst: bool, max_jobs: int | None) -> bool:
@@ -415,22 +417,3 @@ class MlxqWorker(BaseWorker):
         """An idle worker with its intake paused waits here instead of a blocking pull."""
         if self.intake_paused and not self.inflight and not self.owed:
             time.sleep(IDLE_PULL_TIMEOUT_S)
-
-    def _bootstrap(self, logging_level: str, outage: Outage) -> None:
-        """RQ's start-up (registering this worker), retried while Redis refuses writes."""
-        while True:
-            try:
-                self.bootstrap(logging_level)
-                return
-            except redis.ResponseError as e:
-                if not refuses_writes(e):
-                    raise
-                time.sleep(outage.refused(e, 0))
-
-    def _teardown(self) -> None:
-        """RQ's teardown (unregistering this worker); a Redis that is away or full leaves
-        the record to expire by itself."""
-        try:
-            self.teardown()
-        except redis.RedisError as e:
-            self.log.warning("Worker %s: could not unregister (%s); it expires", self.name, e)
