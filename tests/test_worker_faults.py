@@ -99,3 +99,21 @@ def test_retries_then_failed_and_mlxq_retry_requeues(conn, profile):
     assert q.retry_failed(conn, [job_id]) == 1
     assert Job.fetch(job_id, connection=conn, serializer=serializer).get_status() == "queued"
     assert conn.lrange("rq:queue:rt", 0, -1) == [job_id.encode()]
+
+
+def test_results_of_jobs_that_never_generated_keep_their_prompt_tokens(conn):
+    """A failed, expired or refused job whose prompt was tokenized reports its prompt tokens
+    (usage), not 0: the engine's count where it has one, else the one vetting made."""
+    from mlxq.broker.intake import register
+    from mlxq.broker.rq_store.transitions import result_without_output
+    from mlxq.wire import JobMeta, Usage
+    from mlxq.worker.outcomes import InFlight, unrun_result
+    from tests.helpers import dequeued
+
+    _, worker, group = dequeued(conn, 1, "usage")
+    (execution,) = register(worker, group)
+    (job, queue), request = group[0], Request(prompt="four tokens or so")
+    inf = InFlight(job, queue, execution, request, JobMeta(), time.time(), prompt_tokens=5)
+    assert unrun_result(inf, "expired", "late", "m", "w").usage == Usage(5, 0, 5)
+    refused = result_without_output(job, "error", "too long", prompt_tokens=9)
+    assert refused.usage == Usage(9, 0, 9)

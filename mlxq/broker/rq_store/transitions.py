@@ -27,14 +27,21 @@ from mlxq.broker.rq_store.rq_keys import (
     registry_score,
 )
 from mlxq.broker.rq_store.states import BUCKET_OF_REASON, STATUS_OF_REASON
-from mlxq.wire import JobMeta, Result, Timing
+from mlxq.wire import JobMeta, Result, Timing, Usage
 
 
 def result_without_output(
-    job: Job, reason: Any, error: str, *, model: str | None = None, worker: str | None = None
+    job: Job,
+    reason: Any,
+    error: str,
+    *,
+    model: str | None = None,
+    worker: str | None = None,
+    prompt_tokens: int = 0,
 ) -> Result:
     """The full result of a job that ends without generating (rejected, abandoned, cancelled
-    while queued): who, when, and why, with zero usage."""
+    while queued): who, when, and why, with no completion tokens (and its prompt's tokens
+    where the worker counted them before refusing it)."""
     meta = _meta_of(job)
     enqueued = job.enqueued_at.timestamp() if job.enqueued_at else None
     started = job.started_at.timestamp() if job.started_at else None
@@ -43,6 +50,7 @@ def result_without_output(
         custom_id=meta.custom_id,
         finish_reason=reason,
         error=error,
+        usage=Usage(prompt_tokens, 0, prompt_tokens),
         model=model,
         worker=worker,
         batch_id=meta.batch_id,
