@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from browser import CHROMIUM, FLAGS
 from helpers import ROOT, free_port, run_mlxq, wait_for_port
 from test_fleet import make_info
 
@@ -31,7 +31,6 @@ from mlxq.wire import Request
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="headless Chromium is not installed (apt-get install chromium)"
 )
@@ -66,13 +65,13 @@ class Rows(HTMLParser):
         if self._row is not None and "data-field" in a:
             self._fields.append(a["data-field"])
             self._row.setdefault(a["data-field"], "")
-        elif self._row is not None:
-            self._fields.append("")
+        elif self._row is not None:  # text in a nested element belongs to the cell's field
+            self._fields.append(self._fields[-1] if self._fields else "")
 
     def handle_endtag(self, tag: str) -> None:
         if tag == "tr":
             self._row = None
-        elif self._fields and tag in ("td", "span"):
+        elif self._fields and tag in ("td", "span", "ul", "li"):
             self._fields.pop()
 
     def handle_data(self, data: str) -> None:
@@ -84,19 +83,7 @@ def render(url: str, tmp_path: Path, budget_ms: int = 5000) -> Rows:
     """The DOM of ``url`` after ``budget_ms`` of (virtual) time in headless Chromium."""
     cmd = [
         str(CHROMIUM),
-        "--headless",
-        "--no-sandbox",
-        # One process fewer to launch: under load the zygote's and GPU process's start-up
-        # pings time out and Chromium exits with "GPU process isn't usable".
-        "--no-zygote",
-        "--in-process-gpu",
-        "--disable-gpu",
-        "--disable-software-rasterizer",
-        "--disable-dev-shm-usage",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
+        *FLAGS,
         f"--user-data-dir={tmp_path / 'chromium'}",
         f"--virtual-time-budget={budget_ms}",
         "--dump-dom",
@@ -144,11 +131,9 @@ def stop(proc: subprocess.Popen) -> None:
 WORKER = ("--name", "dash-w1", "--max-batch", "4")
 
 
-# -- a live fleet: one real worker, a finished batch and a waiting one ---------------------------
-@pytest.fixture
-def live_fleet(valkey_url, conn, tiny_model) -> Iterator[dict]:
-    env = {**os.environ, "MLXQ_REDIS_URL": valkey_url}
-    worker = subprocess.Popen(
+def start_worker(tiny_model: str, env: dict) -> subprocess.Popen:
+    """A real `mlxq worker` named dash-w1 (batch of 4) on queue `dash`."""
+    return subprocess.Popen(
         [sys.executable, "-m", "mlxq", "worker", "--model", tiny_model, "-q", "dash", *WORKER],
         cwd=ROOT,
         env=env,
@@ -156,6 +141,13 @@ def live_fleet(valkey_url, conn, tiny_model) -> Iterator[dict]:
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+# -- a live fleet: one real worker, a finished batch and a waiting one ---------------------------
+@pytest.fixture
+def live_fleet(valkey_url, conn, tiny_model) -> Iterator[dict]:
+    env = {**os.environ, "MLXQ_REDIS_URL": valkey_url}
+    worker = start_worker(tiny_model, env)
     try:
         reqs = [Request(prompt=f"count {i}", max_tokens=4, custom_id=f"d{i}") for i in range(3)]
         done = q.submit(conn, reqs, queue="dash", source="done.jsonl")

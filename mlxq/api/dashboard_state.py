@@ -1,11 +1,13 @@
 """What ``mlxq dashboard`` shows: one read-only snapshot of batches, workers and queues.
 
 Everything comes from the broker's readers (``batch_status``, ``live_workers``,
-``queue_overview``); nothing here writes to Redis. A batch's tokens/s is an estimate: the
-recent tokens/s of the live workers on its queue, shared among that queue's batches that
-have jobs running (workers publish their rate, not a per-batch one). Its ETA comes from
-how fast its jobs got done over the last couple of minutes, as this process saw it.
-No web framework here, so the snapshot is usable (and testable) without the ``api`` extra.
+``queue_overview``, ``failure_reasons``); nothing here writes to Redis. A batch's tokens/s
+is an estimate: the recent tokens/s of the live workers on its queue, shared among that
+queue's batches that have jobs running (workers publish their rate, not a per-batch one).
+Its ETA comes from how fast its jobs got done over the last couple of minutes, and "no
+progress for ..." from when this process last saw one of its jobs end (or, for a batch
+none of whose jobs ended yet, from its submit). No web framework here, so the snapshot is
+usable (and testable) without the ``api`` extra.
 """
 
 from __future__ import annotations
@@ -13,18 +15,23 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
 import redis
 
+from mlxq.api import dashboard_health as health
+from mlxq.api.dashboard_history import Throughput, TokenHistory
 from mlxq.broker import batches as q
 from mlxq.broker import fleet, keys
-from mlxq.wire import BatchInfo, BatchStatus, WorkerInfo
+from mlxq.broker.failures import FailureSummary, failure_reasons
+from mlxq.wire import BatchInfo, BatchStatus, QueueInfo, WorkerInfo
 
 MAX_BATCHES = 50  # the most recent batches shown
 RATE_WINDOW_S = 120.0  # how far back the ETA's rate looks
 DONE_RECHECK_S = 30.0  # a finished batch is re-read this often (a retry can reopen it)
+FAILURES_RECHECK_S = 15.0  # failure reasons are re-read at most this often per batch
 # A worker publishes every ~2 s; one silent for this long is stuck in a step or wedged.
 STALL_AFTER_S = 10.0
 # Open pages share a snapshot this young: ten tabs cost Redis what one does.
@@ -36,7 +43,7 @@ class BatchRow(msgspec.Struct):
     queue: str
     model: str | None
     source: str | None
-    state: str  # queued, running, done
+    state: str  # queued, running, done (none failed), failed (ended, some failed)
     total: int
     queued: int
     started: int
@@ -47,6 +54,8 @@ class BatchRow(msgspec.Struct):
     tokens_per_s: float | None
     eta_s: float | None
     age_s: float
+    flags: list[str] = []  # what is wrong with it, in words (health.batch_flags)
+    failures: FailureSummary | None = None  # why its failed jobs failed
 
 
 class WorkerRow(msgspec.Struct):
@@ -55,8 +64,11 @@ class WorkerRow(msgspec.Struct):
     model: str
     device: str
     queues: list[str]
-    in_flight: int
+    in_flight: int  # jobs it holds: decoding, or prefetched and waiting for a slot
+    in_batch: int  # of those, at most this many decode (its batch holds max_batch)
+    waiting: int  # the rest, prefetched so a freed slot is filled at once
     max_batch: int
+    kv_used: float | None  # reserved / budget of its KV cache, 0..1
     tokens_per_s: float
     jobs_done: int
     jobs_failed: int
@@ -68,8 +80,9 @@ class QueueRow(msgspec.Struct):
     name: str
     depth: int
     running: int
-    workers: int
+    workers: int  # live workers serving it (stalled ones not counted)
     oldest_age_s: float | None
+    flag: str | None = None
 
 
 class Snapshot(msgspec.Struct):
@@ -77,6 +90,8 @@ class Snapshot(msgspec.Struct):
     batches: list[BatchRow]
     workers: list[WorkerRow]
     queues: list[QueueRow]
+    alerts: list[str] = []  # every flag above, one line each, for the top of the page
+    throughput: Throughput | None = None
 
 
 @dataclass
@@ -87,14 +102,28 @@ class _Seen:
     samples: deque[tuple[float, int]] = field(default_factory=deque)
     status: BatchStatus | None = None
     read_at: float = 0.0
+    last_done: int | None = None
+    progress_at: float = 0.0  # wall time a job of it was last seen ending
+    failures: FailureSummary | None = None
+    failures_at: float = float("-inf")
 
 
 class Dashboard:
-    """Takes snapshots; remembers batch progress over time for the ETAs. Thread-safe."""
+    """Takes snapshots; remembers batch progress and the fleet's tokens over time.
+    Thread-safe. ``clock`` is monotonic (rates, ETAs); ``wall`` is Unix time (ages)."""
 
-    def __init__(self, conn: redis.Redis, clock=time.monotonic) -> None:
+    def __init__(
+        self,
+        conn: redis.Redis,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        wall: Callable[[], float] = time.time,
+        stuck_after_s: float = health.STUCK_AFTER_S,
+    ) -> None:
         self.conn = conn
-        self._clock = clock
+        self._clock, self._wall = clock, wall
+        self.stuck_after_s = stuck_after_s
+        self.history = TokenHistory()
         self._seen: dict[str, _Seen] = {}
         self._lock = threading.Lock()
         self._last: tuple[float, Snapshot] | None = None
@@ -109,25 +138,42 @@ class Dashboard:
             self._last = (tick, snap)
             return snap
 
+    def sample(self) -> None:
+        """Feed the tokens/s history (called every couple of seconds, page open or not)."""
+        with self._lock:  # one sample at a time, so each worker's count only moves forward
+            self.history.sample(fleet.live_workers(self.conn), self._clock())
+
     def _take(self, tick: float) -> Snapshot:
-        now = time.time()
+        now = self._wall()
         workers = fleet.live_workers(self.conn)
-        queues = fleet.queue_overview(self.conn, now=now)
-        batches = self._batches(now, tick, workers)
+        self.history.sample(workers, tick)
+        rows = [worker_row(w, now) for w in workers]
+        served = health.serving(workers, {r.name for r in rows if r.stalled})
+        queues = [queue_row(qi, served) for qi in fleet.queue_overview(self.conn, now=now)]
+        batches = self._batches(now, tick, workers, served)
+        alerts = [qr.flag for qr in queues if qr.flag]
+        alerts += [f"worker {r.name} stalled" for r in rows if r.stalled]
+        for b in batches:
+            alerts += [f"batch {b.batch_id}: {f}" for f in b.flags if not f.startswith("no worker")]
+            if b.state == "failed":
+                alerts.append(f"batch {b.batch_id}: {b.failed} of {b.total} failed")
         return Snapshot(
             now=now,
             batches=batches,
-            workers=[worker_row(w, now) for w in workers],
-            queues=[
-                QueueRow(qi.name, qi.queued, qi.started, qi.workers, qi.oldest_age_s)
-                for qi in queues
-            ],
+            workers=rows,
+            queues=queues,
+            alerts=alerts,
+            throughput=self.history.series(
+                tick, [w for w, r in zip(workers, rows, strict=True) if not r.stalled]
+            ),
         )
 
-    def _batches(self, now: float, tick: float, workers: list[WorkerInfo]) -> list[BatchRow]:
+    def _batches(
+        self, now: float, tick: float, workers: list[WorkerInfo], served: dict
+    ) -> list[BatchRow]:
         seen = []
         for batch_id in self._recent_ids():
-            entry = self._status(batch_id, tick)
+            entry = self._status(batch_id, tick, now)
             if entry is not None:
                 seen.append(entry)
         self._seen = {e.info.batch_id: e for e in seen}
@@ -143,13 +189,18 @@ class Dashboard:
         for e in seen:
             share = running.get(e.info.queue, 0)
             tps = queue_tps.get(e.info.queue, 0.0) / share if share and e.status.started else None
-            rows.append(batch_row(e.info, e.status, now, tps, _eta(e, tick)))
+            row = batch_row(e.info, e.status, now, tps, _eta(e, tick))
+            row.flags = health.batch_flags(
+                e.info, e.status, now - e.progress_at, self.stuck_after_s, served
+            )
+            row.failures = self._failures(e, tick)
+            rows.append(row)
         return rows
 
     def _recent_ids(self) -> list[str]:
         return [b.decode() for b in self.conn.zrevrange(keys.batches(), 0, MAX_BATCHES - 1)]
 
-    def _status(self, batch_id: str, tick: float) -> _Seen | None:
+    def _status(self, batch_id: str, tick: float, now: float) -> _Seen | None:
         entry = self._seen.get(batch_id)
         try:
             if entry is None:
@@ -161,10 +212,32 @@ class Dashboard:
                 entry.read_at = tick
         except q.BatchNotFound:
             return None  # expired: its id lingers in the index until then
-        entry.samples.append((tick, entry.status.done))
+        done = entry.status.done
+        if entry.last_done is None:
+            # First sight: with none ended it has not moved since its submit; otherwise
+            # its last move is unknown, so the quiet time counts from now (a lower bound).
+            entry.progress_at = entry.info.created_at if done == 0 else now
+        elif done != entry.last_done:
+            entry.progress_at = now
+        entry.last_done = done
+        entry.samples.append((tick, done))
         while entry.samples and entry.samples[0][0] < tick - RATE_WINDOW_S:
             entry.samples.popleft()
         return entry
+
+    def _failures(self, entry: _Seen, tick: float) -> FailureSummary | None:
+        """The batch's failure reasons, re-read when its failed count moved (not too often:
+        reading them visits every job's state)."""
+        failed = entry.status.failed
+        if not failed:
+            entry.failures = None
+            return None
+        cached = entry.failures
+        stale = cached is None or cached.failed != failed
+        if stale and tick - entry.failures_at >= FAILURES_RECHECK_S:
+            entry.failures = failure_reasons(self.conn, entry.info.batch_id)
+            entry.failures_at = tick
+        return entry.failures
 
 
 def _eta(entry: _Seen, tick: float) -> float | None:
@@ -186,7 +259,7 @@ def batch_row(
 ) -> BatchRow:
     """One batch as the page shows it."""
     if s.done >= s.total:
-        state = "done"
+        state = "failed" if s.failed else "done"
     elif s.started or s.done:
         state = "running"
     else:
@@ -211,10 +284,14 @@ def batch_row(
 
 
 def worker_row(w: WorkerInfo, now: float) -> WorkerRow:
-    """One worker as the page shows it; ``stalled`` is the worker's own flag when it
-    publishes one, else a heartbeat older than ``STALL_AFTER_S``."""
+    """One worker as the page shows it; ``stalled`` is the worker's own ``state`` when it
+    says so, or a heartbeat older than ``STALL_AFTER_S``.
+
+    ``in_flight`` counts the jobs the worker holds, which is up to its batch plus a few
+    prefetched ones: it is split so the page never shows more in use than the batch.
+    """
     age = max(0.0, now - w.heartbeat_at)
-    flag = getattr(w, "stalled", None)
+    in_batch = min(w.in_flight, w.max_batch)
     return WorkerRow(
         name=w.name,
         host=w.host,
@@ -222,10 +299,20 @@ def worker_row(w: WorkerInfo, now: float) -> WorkerRow:
         device=f"{w.backend} {w.device}",
         queues=list(w.queues),
         in_flight=w.in_flight,
+        in_batch=in_batch,
+        waiting=w.in_flight - in_batch,
         max_batch=w.max_batch,
+        kv_used=w.kv_reserved_bytes / w.kv_budget_bytes if w.kv_budget_bytes > 0 else None,
         tokens_per_s=w.recent_tps,
         jobs_done=w.jobs_done,
         jobs_failed=w.jobs_failed,
         heartbeat_age_s=age,
-        stalled=bool(flag) if flag is not None else age > STALL_AFTER_S,
+        stalled=w.state == "stalled" or age > STALL_AFTER_S,
     )
+
+
+def queue_row(qi: QueueInfo, served: dict[str, tuple[int, int]]) -> QueueRow:
+    """One queue as the page shows it, flagged when jobs wait and no live worker serves it."""
+    live, stalled = served.get(qi.name, (0, 0))
+    flag = health.unserved(qi.name, live, stalled) if qi.queued and not live else None
+    return QueueRow(qi.name, qi.queued, qi.started, live, qi.oldest_age_s, flag)
