@@ -47,7 +47,15 @@ from modes import (
     run_raw,
 )
 from throughput_args import PREFIX_CACHE_SHARE, parse_args
-from throughput_report import model_line, report, struct_dict, twin_ratios, workload_json
+from throughput_report import (
+    model_line,
+    report,
+    struct_dict,
+    sweep_report,
+    twin_ratios,
+    workload_json,
+)
+from throughput_sweep import Sizing, Variant, make_sizes, variants_of
 from workloads import SEED, Workload, make_workload
 
 
@@ -92,12 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_logs()
 
-    from mlxq.engine.hardware import device_facts
     from mlxq.engine.model_facts import model_info
     from mlxq.engine.scheduler import auto_prefill_batch
-    from mlxq.worker.config import resolve
-    from mlxq.worker.launch import build_scheduler
-    from mlxq.worker.profile import WorkerProfile
 
     clock = Stopwatch()
     model, tokenizer, name = load(args)
@@ -106,23 +110,23 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer.eos_token_ids = []  # every mode generates max_tokens: no EOS stops
     print(f"loaded {name} in {clock.stop():.1f} s", file=sys.stderr)
 
-    # mlxq's own sizing: the scheduler's batch is what the worker admits.
-    sizes = {"prefill_batch": args.prefill_batch} if args.prefill_batch else {}
-    profile = WorkerProfile(max_batch=args.batch, kv_bits=args.kv_bits, **sizes)
-    scheduler = build_scheduler(resolve(profile, device_facts(), info))
-    batch = scheduler.max_batch
+    # mlxq's own sizing at each --batch size: the scheduler's batch is what the worker admits.
+    sizes = make_sizes(args, info)
+    sweep = len(sizes) > 1
+    for size in sizes:
+        print(size.why, file=sys.stderr)
 
     # mlxq's prefill batch: as given, or what its scheduler picks for a workload's prompts
     # (the raw BatchGenerator runs with the same, so the two compare like for like).
-    def prefill_for(wl: Workload) -> int:
+    def prefill_for(wl: Workload, size: Sizing) -> int:
         lengths = [len(p) for p in wl.prompts]
-        step, tokens = profile.prefill_step, scheduler.prefill_tokens
-        return profile.prefill_batch or auto_prefill_batch(lengths, batch, step, tokens)
+        step, tokens = size.profile.prefill_step, size.scheduler.prefill_tokens
+        return args.prefill_batch or auto_prefill_batch(lengths, size.batch, step, tokens)
 
-    how = "given" if args.batch else "auto"
     bg = batch_generator_defaults()
-
-    n = args.requests if args.queue_factor is None else args.queue_factor * batch
+    # One workload for every size: the queue is sized on the widest batch.
+    widest = max(s.batch for s in sizes)
+    n = args.requests if args.queue_factor is None else args.queue_factor * widest
     workloads = [make_workload(k, args, pool, n) for k in args.workloads]
     if args.export_jsonl:
         export_jsonl(workloads, Path(args.export_jsonl))
@@ -133,10 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {
         "model": {**struct_dict(info)},
         "device": device,
-        "mlxq_batch": batch,
-        "mlxq_batch_source": how,
-        "prefill_batch": profile.prefill_batch or "auto",
-        "prefill_step": profile.prefill_step,
+        "mlxq_batch": sizes[0].batch,
+        "mlxq_batch_source": sizes[0].source,
+        "batches": [{"batch": s.batch, "source": s.source, "why": s.why} for s in sizes],
+        "prefill_batch": args.prefill_batch or "auto",
+        "prefill_step": sizes[0].profile.prefill_step,
         "batch_generate_defaults": {"completion_batch_size": bg[0], "prefill_batch_size": bg[1]},
         "args": {k: v for k, v in vars(args).items() if k != "json"},
         "workloads": [],
@@ -144,11 +149,23 @@ def main(argv: list[str] | None = None) -> int:
     queued = any(m.startswith("mlxq") for m in args.modes)
     server = redis_url(args.redis_url) if queued else contextlib.nullcontext("")
     with server as url:
-        variants = {wl.name: _variants(wl, args, scheduler.budget_bytes) for wl in workloads}
+        budget = sizes[0].scheduler.budget_bytes
+        variants = {
+            wl.name: variants_of(
+                args.modes, sizes, args.prefix_cache, wl.name, budget, PREFIX_CACHE_SHARE
+            )
+            for wl in workloads
+        }
 
         from mlxq.engine.fused_projections import unfuse_projections
 
-        def run_one(wl: Workload, mode: str, cache_bytes: int) -> ModeResult:
+        def run_one(wl: Workload, v: Variant) -> ModeResult:
+            result = _run_mode(wl, v.mode, v.cache_bytes, sizes[v.size])
+            result.mode = v.label(sweep, sizes)
+            result.extra["batch"] = sizes[v.size].batch
+            return result
+
+        def _run_mode(wl: Workload, mode: str, cache_bytes: int, size: Sizing) -> ModeResult:
             if not mode.startswith("mlxq"):  # mlx-lm's modes run the model as it built it
                 unfuse_projections(model)  # (an mlxq engine fuses it in place on CUDA)
             if mode == "naive":
@@ -156,27 +173,33 @@ def main(argv: list[str] | None = None) -> int:
             if mode == "batch_generate":
                 return run_batch_generate(model, tokenizer, wl)
             if mode == "raw":
-                return run_raw(model, wl, batch, prefill_for(wl), profile.prefill_step)
+                step = size.profile.prefill_step
+                return run_raw(model, wl, size.batch, prefill_for(wl, size), step)
             engine = "slot" if mode == "mlxq" else "batch_generator"
-            return run_mlxq(model, tokenizer, name, wl, profile, url, cache_bytes, engine)
+            return run_mlxq(model, tokenizer, name, wl, size.profile, url, cache_bytes, engine)
 
         if args.warm_modes:
             warm_modes(workloads, variants, run_one)
-        runs = run_rounds(workloads, variants, args.repeat, run_one)
+        runs = run_rounds(workloads, variants, args.repeat, run_one, sweep, sizes)
         for wl in workloads:
-            results = [median_run(runs[(wl.name, m, c)]) for m, c in variants[wl.name]]
+            results = [median_run(runs[(wl.name, v)]) for v in variants[wl.name]]
+            batches = ", ".join(
+                f"{s.batch} ({s.source}; prefill batch {prefill_for(wl, s)})" for s in sizes
+            )
             header = (
-                f"{model_line(info)} on {device} | workload {wl.label} | mlxq batch {batch} "
-                f"({how}), prefill batch {prefill_for(wl)} | batch_generate: mlx-lm defaults "
+                f"{model_line(info)} on {device} | workload {wl.label} | mlxq batch{'es' * sweep} "
+                f"{batches} | batch_generate: mlx-lm defaults "
                 f"(batch {bg[0]}, prefill batch {bg[1]})"
             )
             if args.repeat > 1:
                 header += f" | median of {args.repeat} runs"
             print()
             print(report(header, results, wl))
+            if sweep:
+                print(sweep_report(results, wl))
             sys.stdout.flush()
             out["workloads"].append(workload_json(wl, results))
-        if twins := twin_ratios(out["workloads"], batch):
+        if twins := twin_ratios(out["workloads"], sizes[0].batch):
             print()
             print(twins)
     fresh_memory()
@@ -221,40 +244,38 @@ def warm_up(model: Any, tokenizer: Any, pool: list[int]) -> None:
     print(f"warm-up {clock.stop():.1f} s", file=sys.stderr)
 
 
-def warm_modes(
-    workloads: list[Workload], variants: dict[str, list[tuple[str, int]]], run_one: Any
-) -> None:
-    """Each mode once, untimed, on a short copy of every workload (its prompts, 8 tokens
-    each): a GPU compiles kernels for the first steps of each new shape, and whichever
-    mode ran first would pay for them inside its timing."""
+def warm_modes(workloads: list[Workload], variants: dict[str, list[Variant]], run_one: Any) -> None:
+    """Each mode (at each batch size) once, untimed, on a short copy of every workload (its
+    prompts, 8 tokens each): a GPU compiles kernels for the first steps of each new shape,
+    and whichever run came first would pay for them inside its timing."""
     clock = Stopwatch()
     for wl in workloads:
         short = dataclasses.replace(wl, max_tokens=[min(8, m) for m in wl.max_tokens])
-        for mode, cache_bytes in variants[wl.name]:
-            if mode != "naive":
-                run_one(short, mode, cache_bytes)
+        for v in variants[wl.name]:
+            if v.mode != "naive":
+                run_one(short, v)
     fresh_memory()
     print(f"modes warmed up in {clock.stop():.1f} s", file=sys.stderr)
 
 
 def run_rounds(
     workloads: list[Workload],
-    variants: dict[str, list[tuple[str, int]]],
+    variants: dict[str, list[Variant]],
     repeat: int,
     run_one: Any,
-) -> dict[tuple[str, str, int], list[ModeResult]]:
-    """Every (workload, mode, prefix cache bytes) ``repeat`` times, keyed so. Repeats go
-    round every workload and mode in turn, so a change in the load of a shared machine
-    hits them alike."""
-    runs: dict[tuple[str, str, int], list[ModeResult]] = {}
+    sweep: bool,
+    sizes: list[Sizing],
+) -> dict[tuple[str, Variant], list[ModeResult]]:
+    """Every (workload, variant) ``repeat`` times, keyed so. Repeats go round every
+    workload, mode and batch size in turn, so a change in the load of a shared machine hits
+    them alike."""
+    runs: dict[tuple[str, Variant], list[ModeResult]] = {}
     for i in range(repeat):
         for wl in workloads:
-            for mode, cache_bytes in variants[wl.name]:
+            for v in variants[wl.name]:
                 fresh_memory()
-                label = mode + ("+prefix" if cache_bytes else "")
-                print(f"{wl.name}: {label} ({i + 1}/{repeat}) ...", file=sys.stderr)
-                key = (wl.name, mode, cache_bytes)
-                runs.setdefault(key, []).append(run_one(wl, mode, cache_bytes))
+                print(f"{wl.name}: {v.label(sweep, sizes)} ({i + 1}/{repeat}) ...", file=sys.stderr)
+                runs.setdefault((wl.name, v), []).append(run_one(wl, v))
     return runs
 
 
@@ -265,19 +286,6 @@ def export_jsonl(workloads: list[Workload], folder: Path) -> None:
         lines = (json.dumps(row) for row in wl.jsonl())
         (folder / f"{wl.name}.jsonl").write_text("\n".join(lines) + "\n")
     print(f"wrote {len(workloads)} workloads to {folder}/", file=sys.stderr)
-
-
-def _variants(wl: Workload, args: argparse.Namespace, budget: int) -> list[tuple[str, int]]:
-    """(mode, prefix cache bytes) to run on a workload: the cache off (0) and/or on, per
-    ``--prefix-cache``, for the mlxq modes on the prefix workload."""
-    out = []
-    for mode in args.modes:
-        caches = [0]
-        if mode.startswith("mlxq") and wl.name == "prefix" and args.prefix_cache != "off":
-            on = max(1, int(budget * PREFIX_CACHE_SHARE))
-            caches = [on] if args.prefix_cache == "on" else [0, on]
-        out += [(mode, c) for c in caches]
-    return out
 
 
 if __name__ == "__main__":

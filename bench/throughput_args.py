@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from throughput_sweep import parse_batches
 from workloads import WORKLOADS
 
 MODES = ("naive", "batch_generate", "raw", "mlxq", "mlxq-bg")
@@ -61,10 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--batch",
-        type=int,
         default=None,
-        help="mlxq's batch size (also raw's); default: what mlxq picks on this "
-        "device (build_scheduler / auto_max_batch)",
+        help="mlxq's batch size (also raw's), or comma-separated sizes run side by side on "
+        "one workload (e.g. 256,512,auto; ratios against the first); 'auto' or no value: "
+        "what mlxq picks on this device (choose_batch)",
     )
     ap.add_argument(
         "--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES)
@@ -136,6 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--requests, --prompt-tokens and --gen-tokens must be at least 1")
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
-    if args.batch is not None and args.batch < 1:
-        ap.error("--batch must be at least 1")
+    try:
+        args.batches = parse_batches(args.batch)
+    except ValueError as e:
+        ap.error(f"--batch: {e}")
     return args

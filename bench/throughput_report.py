@@ -83,6 +83,36 @@ def report(header: str, results: list[ModeResult], wl: Workload) -> str:
     return "\n".join(lines)
 
 
+def sweep_report(results: list[ModeResult], wl: Workload) -> str:
+    """A batch sweep's rows side by side, mode by mode: gen tok/s, the decode step (the
+    slot engine's), and each against the mode's first batch size."""
+    by_mode: dict[str, list[ModeResult]] = {}
+    for r in results:
+        if "@" in r.mode:
+            by_mode.setdefault(r.mode.split("@")[0], []).append(r)
+    headers = ["mode", "batch", "gen tok/s", "decode step ms", "steps", "wall s", "peak GB"]
+    headers.append("vs first")
+    rows = []
+    for runs in by_mode.values():
+        first = runs[0].gen_tps
+        for r in runs:
+            steps = r.extra.get("decode_steps")
+            step_ms = 1000 * r.extra["decode_seconds"] / steps if steps else None
+            rows.append(
+                [
+                    r.mode,
+                    f"{r.extra['batch']:,}",
+                    fmt_num(r.gen_tps),
+                    fmt_num(step_ms, 2),
+                    f"{steps:,}" if steps else "-",
+                    fmt_num(r.wall_s, 2),
+                    fmt_num(r.peak_gb, 2),
+                    fmt_ratio(r.gen_tps, first),
+                ]
+            )
+    return f"batch sweep on {wl.name} ({len(wl.prompts):,} requests):\n" + table(headers, rows)
+
+
 def twin_ratios(workloads: list[dict[str, Any]], batch: int) -> str:
     """Each varied workload's gen tok/s over its uniform twin's, mode by mode, and the best
     ratio a fixed cost per decode step allows (:func:`workloads.step_bound`)."""

@@ -61,7 +61,7 @@ def test_one_resolved_configuration_decides_every_automatic_setting():
     budget = int(16 * 2**30 * 0.75) - 2**30  # 75% of memory less the weights
     assert config.prefix_cache_bytes == int(budget * 0.1)
     assert config.kv_budget_bytes == budget - config.prefix_cache_bytes
-    assert config.max_batch == min(256, config.kv_budget_bytes // (2**15 * 2048))
+    assert config.max_batch == min(512, config.kv_budget_bytes // (2**15 * 2048))
     assert config.auto_prefill and config.queues == ("m", "default")
     assert (config.stall_timeout, config.abandon_after, config.grace_period) == (300, 30, 60)
     assert resolve(WorkerProfile(model="m"), _facts("cpu"), _info()).stall_timeout == 1800
@@ -83,7 +83,7 @@ def test_a_quantized_kv_cache_sizes_batches_on_its_own_bytes():
     plain = resolve(WorkerProfile(model="m"), facts, info)
     eight = resolve(WorkerProfile(model="m", kv_bits=8), facts, info)
     assert eight.kv_bits == 8 and eight.info.kv_bytes_per_token == 17408
-    assert plain.max_batch == 256 or eight.max_batch > 1.8 * plain.max_batch
+    assert plain.max_batch == eight.max_batch == 512  # both at Metal's ceiling
     small = _facts("metal", gib=8)  # where memory, not the cap, sets the batch
     ratio = (
         resolve(WorkerProfile(model="m", kv_bits=8), small, info).max_batch
@@ -92,3 +92,31 @@ def test_a_quantized_kv_cache_sizes_batches_on_its_own_bytes():
     assert 1.8 < ratio < 2.0
     with pytest.raises(ProfileError, match="kv_bits"):
         merge(WorkerProfile(model="m"), {"kv_bits": 5})
+
+
+def test_the_batch_choice_is_logged_in_one_line_and_reaches_the_engine(caplog):
+    import logging
+
+    from mlxq.engine.scheduler import BATCH_CEILING
+    from mlxq.worker.config import resolve
+
+    h200 = _facts("cuda", gib=140)
+    with caplog.at_level(logging.INFO, logger="mlxq.worker"):
+        wide = resolve(WorkerProfile(model="m"), h200, _info())
+        small = resolve(WorkerProfile(model="m"), _facts("cuda", gib=8), _info())
+        given = resolve(WorkerProfile(model="m", max_batch=300), h200, _info())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("batch ")]
+    assert len(lines) == 3 and all("\n" not in line for line in lines)
+    assert lines[0].startswith(f"batch {BATCH_CEILING['cuda']:,}: the cuda ceiling")
+    assert lines[1].startswith(f"batch {small.max_batch}: memory (a KV budget of")
+    assert lines[2].startswith("batch 300: set by --max-batch")
+    assert (wide.batch.limit, small.batch.limit, given.batch.limit) == (
+        "backend ceiling",
+        "memory",
+        "--max-batch",
+    )
+    # The engine holds as many rows as the scheduler admits (and 256 when fewer: its join
+    # pacing as before); --max-batch sets both.
+    assert wide.engine_max_batch == wide.max_batch == BATCH_CEILING["cuda"]
+    assert small.max_batch < 256 == small.engine_max_batch
+    assert given.engine_max_batch == given.max_batch == 300

@@ -1,12 +1,14 @@
 """Scheduling policy, without MLX: batch caps, memory budget, jobs too big to run."""
 
 from mlxq.engine.scheduler import (
+    BATCH_CEILING,
     Scheduler,
     admission_order,
     auto_max_batch,
     auto_prefill_batch,
     cache_positions,
     cache_rows,
+    choose_batch,
     grown_rows,
     memory_budget,
     slot_cache_bytes,
@@ -92,9 +94,48 @@ def test_auto_batch_from_memory():
     budget = memory_budget(16 * gib, 2 * gib, 0.75)
     assert budget == 10 * gib
     # 128 KiB/token (8B-class with GQA, bf16) x 2048 tokens = 256 MiB/job -> 40 jobs
-    assert auto_max_batch(budget, 128 * 1024) == 40
-    assert auto_max_batch(budget, 1) == 256
-    assert auto_max_batch(0, 128 * 1024) == 1
+    assert auto_max_batch(budget, 128 * 1024, cap=1024) == 40
+    assert auto_max_batch(budget, 1, cap=300) == 300
+    assert auto_max_batch(0, 128 * 1024, cap=1024) == 1
+
+
+GIB = 2**30
+KV_1B = 32 * 1024  # Llama-3.2-1B: 16 layers x 8 KV heads x 64 x (K, V) x bf16
+
+
+def test_memory_decides_the_batch_below_the_backends_ceiling():
+    # 8B-class on an H200: ~81 GiB of KV holds 324 jobs of 2,048 tokens (256 MiB each).
+    choice = choose_batch(81 * GIB, 128 * 1024, "cuda")
+    assert (choice.size, choice.limit) == (324, "memory")
+    assert choice.why.startswith("batch 324: memory (a KV budget of 81.0 GiB holds 324 jobs")
+    assert "below the cuda ceiling of 1,024" in choice.why
+    # Memory for less than one job still runs one at a time.
+    assert choose_batch(GIB, 10 * GIB, "metal").size == 1
+    # A model whose whole context is shorter than the planned job: jobs of its context.
+    assert choose_batch(GIB, KV_1B, "cuda", context_length=1024).size == 32
+
+
+def test_the_backends_ceiling_caps_what_memory_would_hold():
+    # 1B-class on an H200: ~93 GiB of KV holds 1,488 jobs: more rows than pay on CUDA.
+    choice = choose_batch(93 * GIB, KV_1B, "cuda")
+    assert (choice.size, choice.limit) == (BATCH_CEILING["cuda"], "backend ceiling")
+    assert "the cuda ceiling, where more rows stop paying" in choice.why
+    assert "holds 1,488 jobs" in choice.why
+    assert choose_batch(93 * GIB, KV_1B, "metal").size == BATCH_CEILING["metal"]
+    assert choose_batch(93 * GIB, KV_1B, "cpu").size == BATCH_CEILING["cpu"]
+    assert choose_batch(93 * GIB, KV_1B, "tpu").size == BATCH_CEILING["cpu"]  # unknown: cpu's
+    # The ceilings: the widest measured gain on CUDA (issue 29); each wider than the CPU's.
+    assert BATCH_CEILING["cuda"] >= 1024 > 256
+    assert BATCH_CEILING["cpu"] < BATCH_CEILING["metal"] < BATCH_CEILING["cuda"]
+
+
+def test_max_batch_given_decides_above_or_below_both():
+    above = choose_batch(93 * GIB, KV_1B, "cuda", given=4096)
+    assert (above.size, above.limit) == (4096, "--max-batch")
+    assert "set by --max-batch" in above.why and "admission waits for room" in above.why
+    below = choose_batch(GIB, 128 * 1024, "cpu", given=3)
+    assert (below.size, below.limit) == (3, "--max-batch")
+    assert "waits" not in below.why and "the cpu ceiling is" in below.why
 
 
 def test_admission_order_is_shortest_first_and_stable():

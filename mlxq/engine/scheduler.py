@@ -15,8 +15,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# A batch wider than this rarely adds throughput and makes every decode step slower.
-MAX_AUTO_BATCH = 256
+# The automatic batch's ceiling by backend: the rows past which a wider decode batch stops
+# paying (a wider one makes every step slower for little more throughput). Memory may set
+# it lower; --max-batch sets it outright.
+# - cuda: measured on an H200 (issue 29, MLX CUDA 0.32.4, varied outputs, a queue 4x the
+#   batch), the 1B shape gained up to the widest row run: 256 -> 19.5k gen tok/s, 512 ->
+#   28.1k, 1,024 -> 36.3k (1.29x for the last doubling); the 8B shape 256 -> 8.0k, 512 ->
+#   9.0k, and memory holds ~300 of its 2,048-token jobs anyway. 1,024: the widest measured.
+# - metal: not measured; an Apple GPU has ~1/6 an H200's bandwidth and far less compute,
+#   so its steps turn compute-bound at fewer rows: one doubling past the old 256.
+# - cpu: measured here (bench/throughput.py --batch sweep, tiny and cpu-small presets,
+#   bench/README.md): a step is compute-bound from few rows, SEE_CPU_FIGURES.
+BATCH_CEILING = {"cpu": 64, "metal": 512, "cuda": 1024}
+# The slot engine's rows when the automatic batch is narrower: its join pacing (a share of
+# its rows) stays as it was tuned.
+ENGINE_ROWS = 256
 # The job length the automatic batch size is planned for (prompt + output tokens).
 PLANNED_JOB_TOKENS = 2048
 # Prompt tokens one prefill call may process when the prefill batch is automatic. On a
@@ -110,10 +123,50 @@ def split_budget(budget_bytes: int, prefix_fraction: float) -> tuple[int, int]:
     return budget_bytes - prefix, prefix
 
 
-def auto_max_batch(budget_bytes: int, kv_bytes_per_token: int, cap: int = MAX_AUTO_BATCH) -> int:
-    """The decode batch size that fits jobs of ``PLANNED_JOB_TOKENS`` in the budget."""
-    per_job = max(1, kv_bytes_per_token * PLANNED_JOB_TOKENS)
-    return max(1, min(cap, budget_bytes // per_job))
+def auto_max_batch(
+    budget_bytes: int, kv_bytes_per_token: int, cap: int, job_tokens: int = PLANNED_JOB_TOKENS
+) -> int:
+    """The decode batch size that fits jobs of ``job_tokens`` in the budget, at most ``cap``."""
+    return max(1, min(cap, budget_bytes // max(1, kv_bytes_per_token * job_tokens)))
+
+
+@dataclass(frozen=True)
+class BatchChoice:
+    """The batch size a worker admits and which limit decided it."""
+
+    size: int
+    limit: str  # "memory", "backend ceiling" or "--max-batch"
+    why: str  # one line: the size, the limit, and the figures behind it
+
+
+def choose_batch(
+    budget_bytes: int,
+    kv_bytes_per_token: int,
+    backend: str,
+    given: int | None = None,
+    context_length: int = PLANNED_JOB_TOKENS,
+) -> BatchChoice:
+    """The batch size: ``given`` (--max-batch), else the jobs the KV budget holds (each
+    planned at ``PLANNED_JOB_TOKENS``, or the whole context if shorter), at most the
+    backend's ceiling (:data:`BATCH_CEILING`)."""
+    job_tokens = min(PLANNED_JOB_TOKENS, max(1, context_length))
+    per_job = max(1, kv_bytes_per_token * job_tokens)
+    holds = budget_bytes // per_job
+    ceiling = BATCH_CEILING.get(backend, BATCH_CEILING["cpu"])
+    memory = (
+        f"a KV budget of {budget_bytes / 2**30:.1f} GiB holds {holds:,} jobs of "
+        f"{job_tokens:,} tokens ({per_job / 2**20:.1f} MiB each)"
+    )
+    if given:
+        more = "; admission waits for room beyond that" if given > holds else ""
+        why = f"set by --max-batch ({memory}, the {backend} ceiling is {ceiling:,}{more})"
+        return BatchChoice(given, "--max-batch", f"batch {given:,}: {why}")
+    size = auto_max_batch(budget_bytes, kv_bytes_per_token, ceiling, job_tokens)
+    if size < ceiling:
+        why = f"memory ({memory}, below the {backend} ceiling of {ceiling:,})"
+        return BatchChoice(size, "memory", f"batch {size:,}: {why}")
+    why = f"the {backend} ceiling, where more rows stop paying ({memory})"
+    return BatchChoice(size, "backend ceiling", f"batch {size:,}: {why}")
 
 
 @dataclass
@@ -129,6 +182,7 @@ class Scheduler:
     prefill_step: int = 2048
     prefill_tokens: int = PREFILL_TOKENS["cuda"]  # per prefill call, when automatic
     _reserved: dict[str, int] = field(default_factory=dict)  # worst-case tokens by job
+    _samples: dict[str, int] = field(default_factory=dict)  # rows of jobs of n > 1 samples
 
     def job_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         """Worst-case KV bytes of one job alone."""
@@ -154,8 +208,8 @@ class Scheduler:
 
     @property
     def active(self) -> int:
-        """Jobs admitted and not yet released."""
-        return len(self._reserved)
+        """Rows of the jobs admitted and not yet released (a job of ``n`` samples takes n)."""
+        return len(self._reserved) + sum(self._samples.values()) - len(self._samples)
 
     @property
     def reserved_bytes(self) -> int:
@@ -172,17 +226,20 @@ class Scheduler:
         """
         return max(0, self.max_batch + self.prefetch - held)
 
-    def try_admit(self, key: str, prompt_tokens: int, max_tokens: int) -> bool:
-        """Admit the job if a batch slot and its memory are free; record the reservation."""
-        if len(self._reserved) >= self.max_batch:
+    def try_admit(self, key: str, prompt_tokens: int, max_tokens: int, rows: int = 1) -> bool:
+        """Admit the job if its batch rows (``rows``: its samples) and their memory are
+        free; record the reservation."""
+        if self._reserved and self.active + rows > self.max_batch:
             return False
         tokens = prompt_tokens + max_tokens
         longest = max(tokens, *self._reserved.values(), 0)
         # An empty batch always takes one job that fits alone, so nothing starves.
-        need = slot_cache_bytes(self.active + 1, longest, self.kv_bytes_per_token)
+        need = slot_cache_bytes(self.active + rows, longest, self.kv_bytes_per_token)
         if self._reserved and need > self.budget_bytes:
             return False
         self._reserved[key] = tokens
+        if rows > 1:
+            self._samples[key] = rows
         return True
 
     def prefill_batch(self, waiting_prompt_lengths: list[int]) -> int | None:
@@ -194,5 +251,6 @@ class Scheduler:
         )
 
     def release(self, key: str) -> None:
-        """Free a finished job's slot and memory."""
+        """Free a finished job's slots and memory."""
         self._reserved.pop(key, None)
+        self._samples.pop(key, None)

@@ -8,6 +8,7 @@ The defaults are written once, in :mod:`mlxq.worker.profile` (``None`` in a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,10 +18,11 @@ from mlxq.broker import keys
 from mlxq.engine.hardware import DeviceFacts
 from mlxq.engine.scheduler import (
     DEFAULT_PREFILL_BATCH,
-    MAX_AUTO_BATCH,
+    ENGINE_ROWS,
     PLANNED_JOB_TOKENS,
     PREFILL_TOKENS,
-    auto_max_batch,
+    BatchChoice,
+    choose_batch,
     memory_budget,
     quantized_kv_bytes,
     split_budget,
@@ -29,6 +31,8 @@ from mlxq.errors import StartupError
 from mlxq.wire import ModelInfo, WorkerInfo
 from mlxq.worker.profile import STALL_TIMEOUT_S, WorkerProfile
 from mlxq.worker.sharing import Share, share
+
+log = logging.getLogger("mlxq.worker")
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,9 @@ class WorkerConfig:
     metrics_port: int | None
     engine: str | None = None  # the batch engine asked for (None: chosen by the model)
     kv_bits: int | None = None  # a quantized slot cache (info.kv_bytes_per_token counts it)
-    engine_max_batch: int = MAX_AUTO_BATCH  # the engine's own cap (--max-batch, else 256)
+    engine_max_batch: int = ENGINE_ROWS  # the engine's own cap (--max-batch, else >= 256)
     share: Share | None = None  # what it may hold beside the live workers on its memory
+    batch: BatchChoice | None = None  # how max_batch was decided
 
     @property
     def claimed_bytes(self) -> int:
@@ -92,7 +97,11 @@ def resolve(
     ):
         raise StartupError(_no_room(room, info))
     kv_bytes, prefix_bytes = split_budget(total, profile.prefix_cache_fraction)
-    max_batch = profile.max_batch or auto_max_batch(kv_bytes, info.kv_bytes_per_token)
+    batch = choose_batch(
+        kv_bytes, info.kv_bytes_per_token, facts.backend, profile.max_batch, info.context_length
+    )
+    log.info("%s", batch.why)
+    max_batch = batch.size
     # Hold no more than max_batch jobs of the whole context can use, so workers beside it
     # get the rest of the machine.
     most = max_batch * info.context_length * info.kv_bytes_per_token
@@ -121,8 +130,9 @@ def resolve(
         metrics_port=profile.metrics_port,
         engine=profile.engine,
         kv_bits=profile.kv_bits,
-        engine_max_batch=profile.max_batch or MAX_AUTO_BATCH,
+        engine_max_batch=profile.max_batch or max(max_batch, ENGINE_ROWS),
         share=room,
+        batch=batch,
     )
 
 
