@@ -129,6 +129,17 @@ def test_gauges_report_the_latest_state(metrics):
     assert s[("mlxq_worker_info", info)] == 1
 
 
+def test_recovered_jobs_count_by_how_a_sweep_found_them(metrics):
+    assert scrape(metrics)[("mlxq_jobs_recovered_total", (("how", "unaccounted"),))] == 0
+    metrics.jobs_recovered("unaccounted", 2)
+    metrics.jobs_recovered("abandoned", 1)
+    metrics.jobs_recovered("stranded", 0)
+    s = scrape(metrics)
+    assert s[("mlxq_jobs_recovered_total", (("how", "unaccounted"),))] == 2
+    assert s[("mlxq_jobs_recovered_total", (("how", "abandoned"),))] == 1
+    assert s[("mlxq_jobs_recovered_total", (("how", "stranded"),))] == 0
+
+
 def test_every_metric_is_prefixed(metrics):
     names = {name for name, _ in scrape(metrics)}
     assert names and all(n.startswith("mlxq_") for n in names)

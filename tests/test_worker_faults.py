@@ -76,6 +76,7 @@ def test_expired_batch_requests_are_not_run(conn, profile):
     results = list(q.iter_batch_results(conn, info.batch_id))
     assert [r.finish_reason for r in results] == ["expired"] * 3
     assert all(r.token_ids == [] and "expired" in r.error for r in results)
+    assert all(r.usage.prompt_tokens > 0 for r in results)  # tokenized when vetted
     assert q.batch_status(conn, info.batch_id).failed == 3
 
 
@@ -88,6 +89,15 @@ def test_job_time_limit_stops_generation_with_partial_output(conn, profile):
     assert timed_out, [r.finish_reason for r in results]
     assert all("time limit" in r.error for r in timed_out)
     assert all(r.finish_reason in ("timeout", "stop", "length") for r in results)
+
+
+def test_a_job_refused_for_its_length_reports_its_prompt_tokens(conn, profile):
+    """Refused at vetting once tokenized: the failed result's usage counts its prompt."""
+    info = q.submit(conn, [Request(prompt=[5] * 30, max_tokens=2040)], queue="long")
+    run_worker(profile, conn, burst=True, queues=["long"])
+    (failed,) = list(q.iter_batch_results(conn, info.batch_id))
+    assert failed.finish_reason == "error" and "but the context of" in failed.error
+    assert failed.usage.prompt_tokens == 30 and failed.usage.completion_tokens == 0
 
 
 def test_retries_then_failed_and_mlxq_retry_requeues(conn, profile):

@@ -70,7 +70,7 @@ def worker_row(w: WorkerInfo, now: float) -> list[str]:
     if w.adapter_path:
         model += "+lora"
     return [
-        f"{w.name} [stalled]" if w.state == "stalled" else w.name,
+        f"{w.name} [{w.state}]" if w.state in ("stalled", "paused") else w.name,
         w.host,
         model,
         f"{w.backend} {w.device} {_gib(w.memory_bytes)}",

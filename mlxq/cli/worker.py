@@ -90,6 +90,12 @@ def worker_options(f: Callable) -> Callable:
             f"[default: {DEFAULTS.max_job_bytes:,}].",
         ),
         click.option(
+            "--max-result-bytes",
+            type=click.IntRange(1024 * 1024),
+            help="Fail, unwritten, a job whose result would store more than this many bytes "
+            f"(or than Redis allows) [default: {DEFAULTS.max_result_bytes:,}].",
+        ),
+        click.option(
             "--grace-period",
             type=click.FloatRange(0),
             help="Seconds to finish running jobs on SIGTERM before putting them back "

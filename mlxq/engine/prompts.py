@@ -16,7 +16,12 @@ WARMUP_KEY = "__mlxq_warmup__"
 
 
 class JobInputError(ValueError):
-    """A request this model cannot run; the message says what is wrong and how to fix it."""
+    """A request this model cannot run; the message says what is wrong and how to fix it.
+    ``prompt_tokens``: the prompt's length where it was tokenized (the failure's usage)."""
+
+    def __init__(self, message: str, prompt_tokens: int = 0) -> None:
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
 
 
 def error_line(exc: BaseException) -> str:
@@ -91,5 +96,6 @@ class PromptEncoder:
                 )
             raise JobInputError(
                 f"the prompt is {n} tokens and max_tokens is {max_tokens}, together "
-                f"{n + max_tokens}, but the context of {self.info.name} is {ctx} tokens: {fix}"
+                f"{n + max_tokens}, but the context of {self.info.name} is {ctx} tokens: {fix}",
+                prompt_tokens=n,
             )

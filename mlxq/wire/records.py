@@ -106,6 +106,7 @@ class WorkerInfo(Struct):
     adapter_path: str | None = None
     # "stalled": its MLX thread stopped making progress with jobs in flight; the worker
     # put its jobs back and exited (the record stays a while so `mlxq workers` shows it).
+    # "paused": it takes no new jobs while Redis may evict keys (its log says the fix).
     state: str = "running"
     # Seconds since the MLX thread last completed a step (while jobs are in flight).
     step_age_s: float | None = None

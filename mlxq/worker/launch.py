@@ -177,6 +177,7 @@ def run_worker(
         name=config.name,
         abandon_after=config.abandon_after,
         max_job_bytes=config.max_job_bytes,
+        max_result_bytes=profile.max_result_bytes,
         grace_period=config.grace_period,
         stall_timeout=config.stall_timeout,
     )

@@ -29,6 +29,8 @@ GENERATION_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 DECODE_TPS_BUCKETS = (1, 2.5, 5, 10, 20, 30, 50, 75, 100, 150, 250, 500, 1000)
 PREFILL_TPS_BUCKETS = (10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000)
 
+# How a sweep found the jobs it put back on their queues.
+RECOVERED = ("abandoned", "stranded", "unaccounted")
 # Failure reasons become label values: keep their number bounded.
 MAX_FAILURE_REASONS = 32
 _REASON_RE = re.compile(r"[^a-z0-9_]+")
@@ -108,6 +110,16 @@ class WorkerMetrics:
         self.kv_budget = Gauge(
             "mlxq_kv_budget_bytes", "KV-cache bytes the worker may reserve.", registry=r
         )
+        self.recovered = Counter(
+            "mlxq_jobs_recovered",
+            "Jobs this worker's sweeps put back on their queue, by how they were left: "
+            "abandoned (their worker stopped heartbeating), stranded (pulled, never started), "
+            "unaccounted (held by no list or registry).",
+            ["how"],
+            registry=r,
+        )
+        for how in RECOVERED:
+            self.recovered.labels(how=how)  # zeros from the start, as for outcomes
         self.info = Info("mlxq_worker", "The worker's name, model and device.", registry=r)
         for outcome in get_args(FinishReason):
             self.jobs.labels(outcome=outcome)  # export zeros, so rate() works from the start
@@ -139,6 +151,11 @@ class WorkerMetrics:
         """
         self.jobs.labels(outcome="error").inc()
         self.failures.labels(reason=self._reason_label(reason)).inc()
+
+    def jobs_recovered(self, how: str, n: int) -> None:
+        """Count ``n`` jobs a sweep put back (``how``: one of ``RECOVERED``)."""
+        if n:
+            self.recovered.labels(how=how).inc(n)
 
     def _reason_label(self, reason: str) -> str:
         label = _REASON_RE.sub("_", reason.strip().lower()).strip("_")[:40] or "error"

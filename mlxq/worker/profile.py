@@ -39,6 +39,9 @@ class WorkerProfile(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     name: str | None = None
     # Jobs whose payload inflates past this many bytes fail alone, unread.
     max_job_bytes: Annotated[int, Meta(ge=1024)] = keys.MAX_JOB_BYTES
+    # A result larger than this (or than the server's limits) fails its job instead of
+    # being written: Redis refuses a bulk string past proto-max-bulk-len (512 MB).
+    max_result_bytes: Annotated[int, Meta(ge=1024 * 1024)] = 64 * 1024 * 1024
     # The batch engine: None runs the slot engine where the model's cache allows it.
     engine: Literal["slot", "batch_generator"] | None = None
     # Store the slot KV cache quantized to 8 or 4 bits (8: about half the memory of

@@ -50,6 +50,11 @@ class Reporter:
         if self.metrics is not None:
             self.metrics.job_finished(result)
 
+    def recovered(self, how: str, job_ids: list[str]) -> None:
+        """Jobs this worker's sweep put back on their queues (``metrics.RECOVERED``)."""
+        if self.metrics is not None:
+            self.metrics.jobs_recovered(how, len(job_ids))
+
     def failed(self, reason: str) -> None:
         """A job failed without a result (rejected, or an error); ``reason`` is a category."""
         self.failures += 1

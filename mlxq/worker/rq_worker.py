@@ -36,7 +36,7 @@ from mlxq.worker.outcomes import InFlight, build_result, unrun_result
 from mlxq.worker.profile import DEFAULTS, STALL_TIMEOUT_S
 from mlxq.worker.reporting import Reporter
 from mlxq.worker.stopping import release_all
-from mlxq.worker.vetting import Vetted, vet
+from mlxq.worker.vetting import Refused, Vetted, vet
 from mlxq.worker.watchdog import EngineStalled
 from mlxq.worker.writeback import MAX_RESULT_BYTES, Failure, ResultLimit, Writeback, result_limit
 
@@ -175,7 +175,7 @@ class MlxqWorker(BaseWorker):
         if max_jobs is not None and self.jobs_done >= max_jobs and not busy:
             return True
         pulled = 0 if self.intake_paused else self._pull(block=not busy and not burst)
-        if burst and not pulled and not self.inflight:
+        if burst and not pulled and not self.inflight and not self.intake_paused:
             self.log.info("Worker %s: queues empty, nothing in flight: done", self.name)
             return True
         self._report_if_due()
@@ -208,13 +208,23 @@ class MlxqWorker(BaseWorker):
         maintenance = self.should_run_maintenance_tasks
         if maintenance or time.monotonic() - self._last_sweep >= RECOVERY_INTERVAL_S:
             self._last_sweep = time.monotonic()
-            for queue in self.queues:
-                requeue_abandoned(queue)
-                requeue_stranded(queue, self.abandon_after)
-            names = [queue.name for queue in self.queues]
-            unaccounted.sweep(self.connection, names, self.abandon_after, RECOVERY_INTERVAL_S)
+            self._sweep()
         if maintenance:
             self.run_maintenance_tasks()
+
+    def _sweep(self) -> None:
+        """Put back the jobs of this worker's queues that dead workers, stranded pulls or
+        unknown paths left behind (``recovery``, ``unaccounted``); count them by how."""
+        grace = self.abandon_after
+        names = [queue.name for queue in self.queues]
+        swept = {
+            "abandoned": [j for q in self.queues for j in requeue_abandoned(q)],
+            "stranded": [j for q in self.queues for j in requeue_stranded(q, grace)],
+            "unaccounted": unaccounted.sweep(self.connection, names, grace, RECOVERY_INTERVAL_S),
+        }
+        if self.reporter is not None:
+            for how, job_ids in swept.items():
+                self.reporter.recovered(how, job_ids)
 
     # -- taking jobs ---------------------------------------------------------------------
     def _pull(self, block: bool) -> int:
@@ -271,13 +281,20 @@ class MlxqWorker(BaseWorker):
             if isinstance(execution, str):
                 self.runner.cancel(job.id)
                 self.log.warning("Worker %s: job %s %s", self.name, job.id, execution)
-            elif isinstance(v, str):
+            elif isinstance(v, Refused):
                 result = transitions.result_without_output(
-                    job, "error", v, model=self.model_name, worker=self.name
+                    job,
+                    "error",
+                    v.error,
+                    model=self.model_name,
+                    worker=self.name,
+                    prompt_tokens=v.prompt_tokens,
                 )
                 self.owed.failed.append(Failure(job, queue, execution, result, "rejected"))
             else:
-                inf = InFlight(job, queue, execution, v.request, v.meta, time.time())
+                inf = InFlight(
+                    job, queue, execution, v.request, v.meta, time.time(), None, len(v.tokens)
+                )
                 if v.expired:
                     msg = "the batch expired before this request ran"
                     result = unrun_result(inf, "expired", msg, self.model_name, self.name)
@@ -362,6 +379,7 @@ class MlxqWorker(BaseWorker):
             len(self.inflight),
             ttl=self.abandon_after,
             memory=self.runner.memory,
+            state="paused" if self.intake_paused else "running",
             step_age_s=watchdog.step_age(self.runner, self.inflight),
         )
 

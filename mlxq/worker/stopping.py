@@ -35,8 +35,8 @@ def release_all(
         del inflight[key]
     if owed:
         worker.log.error(
-            "Worker %s: exiting with %d results unwritten (Redis unreachable); their "
-            "jobs are run again once their heartbeats lapse",
+            "Worker %s: exiting with %d results unwritten (Redis unreachable or refusing "
+            "writes); their jobs are run again once their heartbeats lapse",
             worker.name,
             len(owed),
         )

@@ -20,6 +20,15 @@ from mlxq.wire import JobMeta, Request
 
 
 @dataclass
+class Refused:
+    """A job vetting refused: why (one line), and its prompt's tokens where it got that far
+    (usage of the failed result)."""
+
+    error: str
+    prompt_tokens: int = 0
+
+
+@dataclass
 class Vetted:
     """A job that passed vetting: what the engine runs, unless its batch expired."""
 
@@ -29,8 +38,9 @@ class Vetted:
     expired: bool
 
 
-def vet(runner: Runner, job: Job) -> Vetted | str:
+def vet(runner: Runner, job: Job) -> Vetted | Refused:
     """The job, ready for the engine, or why it cannot run (a one-line error)."""
+    tokens: list[int] = []
     try:
         request = decode_job(job)
         meta = _meta(job)
@@ -40,10 +50,12 @@ def vet(runner: Runner, job: Job) -> Vetted | str:
         problem = scheduler.fits_alone(len(tokens), request.max_tokens)
         if problem:
             raise JobRejected(problem)
-    except (JobRejected, JobInputError) as e:
-        return str(e)
+    except JobInputError as e:
+        return Refused(str(e), e.prompt_tokens or len(tokens))
+    except JobRejected as e:
+        return Refused(str(e), len(tokens))
     except Exception as e:  # a job another producer wrote oddly fails alone, never the worker
-        return f"could not prepare the job: {e!r:.300}"
+        return Refused(f"could not prepare the job: {e!r:.300}", len(tokens))
     late = meta.expires_at is not None and time.time() > meta.expires_at
     return Vetted(request, tokens, meta, late)
 

@@ -26,8 +26,9 @@ from mlxq.engine.sampling import StreamChunk
 from mlxq.wire import Result, json_encoder
 from mlxq.worker.outage import refuses_writes
 from mlxq.worker.outcomes import InFlight, Written, still_held, write_results
+from mlxq.worker.profile import DEFAULTS
 
-MAX_RESULT_BYTES = 64 * 1024 * 1024  # the default cap on one stored result, well above use
+MAX_RESULT_BYTES = DEFAULTS.max_result_bytes  # the default cap on one stored result
 MIN_BULK_LEN = 1024 * 1024  # Redis's smallest proto-max-bulk-len
 
 
