@@ -22,35 +22,30 @@ from rq.queue import Queue
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
-from mlxq.broker import fleet, intake, keys, unaccounted
-from mlxq.broker.recovery import requeue_abandoned, requeue_stranded
+from mlxq.broker import fleet, keys
 from mlxq.broker.rq_store import internals, transitions
-from mlxq.broker.rq_store.job_loading import Unreadable
 from mlxq.broker.serializer import serializer
-from mlxq.engine.runner import Runner, Work
-from mlxq.engine.sampling import Completion, EngineJob
+from mlxq.engine.runner import Runner
+from mlxq.engine.sampling import Completion
 from mlxq.wire import Result
 from mlxq.worker import watchdog
 from mlxq.worker.outage import WRITE_REFUSALS, Outage, ServerWatch, refuses_writes, while_refused
-from mlxq.worker.outcomes import InFlight, build_result, unrun_result
+from mlxq.worker.outcomes import InFlight, build_result
 from mlxq.worker.profile import DEFAULTS, STALL_TIMEOUT_S
 from mlxq.worker.reporting import Reporter
 from mlxq.worker.stopping import release_all
-from mlxq.worker.vetting import Refused, Vetted, vet
+from mlxq.worker.taking import IDLE_PULL_TIMEOUT_S, JobIntake
 from mlxq.worker.watchdog import EngineStalled
 from mlxq.worker.writeback import MAX_RESULT_BYTES, Failure, ResultLimit, Writeback, result_limit
 
 log = logging.getLogger("mlxq.worker")
 
 BUSY_WAIT_S = 0.02  # while jobs run, how long a pass waits for the MLX thread
-EMPTY_PULL_BACKOFF_S = 0.25  # after an empty pull, wait before asking Redis again
-IDLE_PULL_TIMEOUT_S = 1  # blocking pull when idle: short, so stop requests are seen
 CONTROL_INTERVAL_S = 0.5  # how often cancel flags and time limits are checked
 REPORT_INTERVAL_S = 2.0  # how often the worker publishes its state (WorkerInfo, metrics)
-RECOVERY_INTERVAL_S = 5.0  # how often abandoned jobs of dead workers are looked for
 
 
-class MlxqWorker(BaseWorker):
+class MlxqWorker(JobIntake, BaseWorker):
     """RQ worker that drains its queues into a continuous-batching MLX runner."""
 
     def __init__(
@@ -196,112 +191,6 @@ class MlxqWorker(BaseWorker):
             watchdog.record_stall(
                 self.reporter, self.connection, self.runner, self.inflight, self.abandon_after
             )
-
-    def clean_registries(self) -> None:
-        """RQ's maintenance of its registries, less the cleanup that fails stranded jobs:
-        ``_maintain`` puts them back on their queues."""
-        internals.clean_registries_but_intermediate(self)
-
-    def _maintain(self) -> None:
-        # Swept right before RQ's own maintenance too: RQ would fail abandoned jobs
-        # (bypassing the batch counters) where mlxq puts them back.
-        maintenance = self.should_run_maintenance_tasks
-        if maintenance or time.monotonic() - self._last_sweep >= RECOVERY_INTERVAL_S:
-            self._last_sweep = time.monotonic()
-            self._sweep()
-        if maintenance:
-            self.run_maintenance_tasks()
-
-    def _sweep(self) -> None:
-        """Put back the jobs of this worker's queues that dead workers, stranded pulls or
-        unknown paths left behind (``recovery``, ``unaccounted``); count them by how."""
-        grace = self.abandon_after
-        names = [queue.name for queue in self.queues]
-        swept = {
-            "abandoned": [j for q in self.queues for j in requeue_abandoned(q)],
-            "stranded": [j for q in self.queues for j in requeue_stranded(q, grace)],
-            "unaccounted": unaccounted.sweep(self.connection, names, grace, RECOVERY_INTERVAL_S),
-        }
-        if self.reporter is not None:
-            for how, job_ids in swept.items():
-                self.reporter.recovered(how, job_ids)
-
-    # -- taking jobs ---------------------------------------------------------------------
-    def _pull(self, block: bool) -> int:
-        """Dequeue up to the scheduler's free slots in one go; returns how many were taken.
-
-        The jobs reach the MLX thread together, so they are prefilled in full batches
-        rather than one prompt per step as they would trickle in one by one. Every pull
-        moves ids into RQ's intermediate lists (``intake``), so none is ever out of a list
-        that recovery sweeps, however many queues the worker serves.
-        """
-        scheduler = self.runner.scheduler
-        assert scheduler is not None
-        want = scheduler.fetch_count(len(self.inflight))
-        # The backoff spares Redis while busy; an idle worker always looks (burst exits
-        # on an empty look, so it must be a real one).
-        if want <= 0 or (self.inflight and time.monotonic() < self._next_pull_at):
-            return 0
-        pulled = intake.wait_for_job(self, IDLE_PULL_TIMEOUT_S, self.max_job_bytes) if block else []
-        pulled += intake.dequeue_many(self, want - len(pulled), self.max_job_bytes)
-        unreadable = [p for p in pulled if isinstance(p, Unreadable)]
-        group = [p for p in pulled if not isinstance(p, Unreadable)]
-        if unreadable:
-            intake.fail_unreadable(self, unreadable)
-            if self.reporter is not None:
-                for _ in unreadable:
-                    self.reporter.failed("rejected")
-        if group:
-            self._start_group(group)
-        if len(pulled) < want:
-            self._next_pull_at = time.monotonic() + EMPTY_PULL_BACKOFF_S
-        return len(pulled)
-
-    def _start_group(self, group: list[tuple[Job, Queue]]) -> None:
-        """Vet jobs, hand the good ones to the engine together, then register them all as
-        RQ executions: the engine starts on them meanwhile, and nothing is written back
-        before they are registered (that happens on this thread)."""
-        vetted = [vet(self.runner, job) for job, _ in group]
-        works = [
-            Work(EngineJob(job.id, v.request), v.tokens)
-            for (job, _), v in zip(group, vetted, strict=True)
-            if isinstance(v, Vetted) and not v.expired
-        ]
-        if works:
-            self.runner.submit(works)
-        try:
-            executions = intake.register(self, group)
-        except redis.RedisError:
-            # Unregistered, the jobs stay in RQ's intermediate queue for the sweep.
-            for w in works:
-                self.runner.cancel(w.job.key)
-            raise
-        # Every outcome is owed before any is written: a Redis error midway loses none.
-        for (job, queue), execution, v in zip(group, executions, vetted, strict=True):
-            if isinstance(execution, str):
-                self.runner.cancel(job.id)
-                self.log.warning("Worker %s: job %s %s", self.name, job.id, execution)
-            elif isinstance(v, Refused):
-                result = transitions.result_without_output(
-                    job,
-                    "error",
-                    v.error,
-                    model=self.model_name,
-                    worker=self.name,
-                    prompt_tokens=v.prompt_tokens,
-                )
-                self.owed.failed.append(Failure(job, queue, execution, result, "rejected"))
-            else:
-                inf = InFlight(
-                    job, queue, execution, v.request, v.meta, time.time(), None, len(v.tokens)
-                )
-                if v.expired:
-                    msg = "the batch expired before this request ran"
-                    result = unrun_result(inf, "expired", msg, self.model_name, self.name)
-                    self.owed.done.append((inf, result))
-                else:
-                    self.inflight[job.id] = inf
-        self._flush()
 
     # -- finishing jobs ------------------------------------------------------------------
     def _finish(self, completions: list[Completion]) -> None:
