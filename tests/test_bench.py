@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import ROOT
 
 
@@ -39,6 +40,42 @@ def test_throughput_runs_a_varied_workload_and_its_twin(valkey_url: str, tmp_pat
     assert "!" not in out.stdout  # every mode returned every token
     lines = (tmp_path / "varied.jsonl").read_text().splitlines()
     assert len(lines) == 6 and '"custom_id": "r0"' in lines[0]
+
+
+def test_throughput_sweeps_batch_sizes_side_by_side(valkey_url: str, tmp_path: Path) -> None:
+    figures = tmp_path / "sweep.json"
+    out = run_script(
+        "bench/throughput.py",
+        *("--preset", "tiny", "--requests", "8", "--batch", "2,4,auto"),
+        *("--workload", "varied", "--modes", "raw,mlxq", "--prompt-tokens", "16"),
+        *("--redis-url", valkey_url, "--json", str(figures)),
+    )
+    assert "!" not in out.stdout  # every size returned every token
+    assert "batch sweep on varied (8 requests)" in out.stdout
+    sweep = out.stdout.split("batch sweep on varied")[1]
+    for row in ("raw@2", "raw@4", "mlxq@2", "mlxq@4"):
+        assert f"\n{row} " in sweep
+    assert sweep.count("1.00x") == 2  # each mode against its first size
+    assert "batch 2: set by --max-batch" in out.stderr  # the worker's line, size by size
+    data = json.loads(figures.read_text())
+    auto = data["batches"][2]
+    assert [b["batch"] for b in data["batches"][:2]] == [2, 4]
+    assert auto["source"].startswith("auto: ") and auto["why"].startswith(f"batch {auto['batch']}")
+    (workload,) = data["workloads"]
+    modes = {m["mode"]: m for m in workload["modes"]}
+    assert modes["mlxq@2"]["gen_tokens"] == modes[f"mlxq@{auto['batch']}"]["gen_tokens"]
+    assert modes["mlxq@4"]["decode_steps"] < modes["mlxq@2"]["decode_steps"]
+
+
+def test_throughput_batch_list_is_checked() -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from throughput_sweep import parse_batches
+
+    assert parse_batches("256,auto, 1024") == [256, None, 1024]
+    assert parse_batches(None) == [None]
+    for bad, why in (("0", "below 1"), ("x", "'x' is not a batch size"), ("4,4", "twice")):
+        with pytest.raises(ValueError, match=why):
+            parse_batches(bad)
 
 
 def test_constraints_runs_its_modes_alternating_and_interleaved(tmp_path: Path) -> None:
