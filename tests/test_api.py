@@ -126,7 +126,7 @@ def test_bad_input_file_fails_validation_with_line_errors(client, conn):
         completion_line("ok", "Hi"),
         b'{"custom_id": "broken", ',
         chat_line("wrong-endpoint", "Hi"),
-        completion_line("n2", "Hi", n=2),
+        completion_line("n0", "Hi", n=0),
         completion_line("other-model", "Hi", model="another"),
     ]
     batch = create(client, upload(client, lines))
@@ -134,7 +134,7 @@ def test_bad_input_file_fails_validation_with_line_errors(client, conn):
     assert [e.line for e in batch.errors.data] == [2, 3, 4, 5]
     codes = {e.line: e.code for e in batch.errors.data}
     assert codes[3] == "mismatched_endpoint" and codes[5] == "mismatched_model"
-    assert "n=1" in batch.errors.data[2].message
+    assert "body.n" in batch.errors.data[2].message
     assert client.batches.retrieve(batch.id).status == "failed"
     assert conn.llen(f"rq:queue:{MODEL}") == 0
 

@@ -13,7 +13,16 @@ from mlxq.formats.openai_output import (
     is_success,
     to_openai_line,
 )
-from mlxq.wire import Result, Timing, TokenLogprob, TopLogprob, Usage, result_decoder
+from mlxq.wire import (
+    Choice,
+    Result,
+    Timing,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    json_encoder,
+    result_decoder,
+)
 
 # The README's example result, as a worker stores it.
 README_RESULT = b"""{"job_id": "9f1c", "custom_id": "a1", "finish_reason": "length",
@@ -205,3 +214,41 @@ def test_endpoints():
     assert to_openai_line(r, "/v1/completions/")["response"]["body"]["object"] == "text_completion"
     with pytest.raises(ValueError, match="/v1/embeddings"):
         to_openai_line(r, "/v1/embeddings")
+
+
+def sampled_result() -> Result:
+    """A request of n = 3 as a worker stores it: choice 0's output at the top."""
+    lp = [TokenLogprob(5, -0.1, [TopLogprob(5, -0.1)])]
+    choices = [
+        Choice(0, "stop", "yes", [5], lp),
+        Choice(1, "length", "no no", [6, 6], lp + lp),
+        Choice(2, "error", "", [], None),
+    ]
+    return Result(
+        job_id="ab-cd",
+        custom_id="s",
+        finish_reason="stop",
+        text="yes",
+        token_ids=[5],
+        usage=Usage(4, 3, 7),
+        choices=choices,
+    )
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
+def test_samples_are_openai_choices(endpoint):
+    result = result_decoder.decode(json_encoder.encode(sampled_result()))  # as stored
+    body = to_openai_line(result, endpoint)["response"]["body"]
+    choices = body["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert [c["finish_reason"] for c in choices] == ["stop", "length", "error"]
+    texts = [c["message"]["content"] if "message" in c else c["text"] for c in choices]
+    assert texts == ["yes", "no no", ""]
+    assert choices[2]["logprobs"] is None and choices[1]["logprobs"] is not None
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+
+
+def test_one_sample_has_no_choices_field_to_read():
+    result = result_decoder.decode(README_RESULT)
+    assert result.choices is None  # results stored before `n` existed still decode
+    assert json.loads(json_encoder.encode(result))["choices"] is None

@@ -153,6 +153,15 @@ def test_openai_defaults_and_nulls():
     assert request_from_openai(obj, 1).prompt == "hi"
 
 
+def test_openai_n_asks_for_samples():
+    assert request_from_openai(chat(n=4, seed=9, temperature=1), 1).n == 4
+    assert request_from_openai(completion(n=1), 1).n == 1
+    assert parse_line(b'{"prompt": "x", "n": 3}', 1).n == 3
+    for bad, says in ((0, ">= 1"), (129, "<= 128"), (True, "got `bool`")):
+        with pytest.raises(InvalidLine, match=f"body.n: .*{says}"):
+            request_from_openai(chat(n=bad), 1)
+
+
 def test_parse_line_accepts_str_and_assigns_custom_id():
     assert parse_line('{"prompt": "x"}', 12).custom_id == "line-12"
     assert parse_line(b'{"prompt": "x", "custom_id": "mine"}\n', 12).custom_id == "mine"

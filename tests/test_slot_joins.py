@@ -108,3 +108,15 @@ def test_the_policy_modules_import_no_mlx() -> None:
         "sys.exit(any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules))"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_pick_group_seats_samples_in_free_slots_in_arrival_order() -> None:
+    """A job of several samples takes a slot per sample; one that does not fit the free
+    slots stops the group there (it is next, not passed over)."""
+    jobs = _waiting(10, 10, 10, 10)
+    jobs[1].rows = 4
+    first, second, rest = jobs[0], jobs[1], jobs[2:]
+    assert pick_group(jobs, 8, None, free=4) == [first]
+    assert jobs == [second, *rest]
+    assert pick_group(jobs, 8, None, free=5) == [second, rest[0]]
+    assert pick_group(jobs, 8, None) == rest[1:]  # (no slot count: as many as ``limit``)

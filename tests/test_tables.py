@@ -365,3 +365,42 @@ def test_table_rows_join_inputs_and_keep_types_honest(tmp_path):
     table = pq.read_table(tmp_path / "t.parquet")
     assert table.column("n").to_pylist() == ["1", "two", None]  # mixed types: text
     assert table.column("prompt_tokens").to_pylist() == [2, 2, 2]
+
+
+def test_samples_are_a_row_per_choice_with_a_choice_column(tmp_path):
+    from mlxq.formats.table_output import table_rows
+    from mlxq.wire import Choice, Result, Usage
+
+    one = Result(job_id="j1", custom_id="one", finish_reason="stop", text="a", usage=Usage(2, 1, 3))
+    many = Result(
+        job_id="j2",
+        custom_id="many",
+        finish_reason="stop",
+        text="b",
+        usage=Usage(4, 5, 9),
+        metadata={"input": {"choice": "mine"}},
+        choices=[Choice(0, "stop", "b", [1, 2]), Choice(1, "length", "c", [3, 4, 5])],
+    )
+    columns, rows = table_rows([one, many], with_input=True)
+    assert columns[:2] == ["custom_id", "choice"] and "input_choice" in columns
+    assert [(r["custom_id"], r["choice"], r["text"]) for r in rows] == [
+        ("one", 0, "a"),
+        ("many", 0, "b"),
+        ("many", 1, "c"),
+    ]
+    assert [r["finish_reason"] for r in rows[1:]] == ["stop", "length"]
+    assert [(r["completion_tokens"], r["total_tokens"]) for r in rows[1:]] == [(2, 6), (3, 7)]
+    assert rows[2]["input_choice"] == "mine"
+    # Without samples the table is as it was: no choice column.
+    assert table_rows([one], with_input=False)[0] == list(RESULT_COLUMNS)
+
+
+def test_n_is_a_default_and_a_field_of_jsonl_lines(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt": "b", "n": 2}\n')
+    parsed = read_input(str(path), InputOptions(defaults=RequestDefaults({"n": 4})))
+    assert [r.n for r in parsed.requests] == [4, 2]
+    with pytest.raises(InputFileError, match="stream"):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"prompt": "a", "n": 2, "stream": true}\n')
+        read_input(str(bad), InputOptions())

@@ -16,7 +16,7 @@ from mlxq.broker import batches as q
 from mlxq.cli.support import fail
 from mlxq.formats.defaults import DEFAULTABLE, RequestDefaults
 from mlxq.formats.tables import InputOptions
-from mlxq.wire import MAX_LOGPROBS, MAX_TOKENS_LIMIT
+from mlxq.wire import MAX_LOGPROBS, MAX_SAMPLES, MAX_TOKENS_LIMIT
 
 _DEFAULT_OPTIONS = [
     click.option(
@@ -60,6 +60,12 @@ _DEFAULT_OPTIONS = [
         "--logprobs",
         type=click.IntRange(0, MAX_LOGPROBS),
         help="Top-n logprobs per token, for requests that do not set it.",
+    ),
+    click.option(
+        "--n",
+        "n",
+        type=click.IntRange(1, MAX_SAMPLES),
+        help="Samples per request (prompt prefilled once), for requests that do not set it.",
     ),
     click.option(
         "--json-schema",

@@ -149,6 +149,11 @@ class Engine:
             raise ValueError(f"job {job.key} is already in the engine")
         now = time.time()
         try:
+            if job.request.n > 1:  # (the slot engine prefills once for n rows; this one cannot)
+                raise JobInputError(
+                    f"n = {job.request.n}: several samples per request need the slot engine, "
+                    "and this model runs on the BatchGenerator engine; write n lines of n=1"
+                )
             tokens = self._prompts.prompt_tokens(job.request) if tokens is None else list(tokens)
             self._prompts.check_tokens(tokens, job.request.max_tokens)
             constraint = self._constraints.job(job.request.response_format)  # [constraints]

@@ -209,8 +209,11 @@ class Runner:
         assert self.engine is not None and self.scheduler is not None
         while self._pending:
             work = self._pending[0]
-            max_tokens = work.job.request.max_tokens
-            if not self.scheduler.try_admit(work.job.key, len(work.tokens), max_tokens):
+            request = work.job.request
+            rows = request.n  # (a row per sample)
+            if not self.scheduler.try_admit(
+                work.job.key, len(work.tokens), request.max_tokens, rows
+            ):
                 return
             self._pending.popleft()
             failed = self.engine.add(work.job, work.tokens)

@@ -7,7 +7,8 @@ logprobs) generated so far and its watch for stop strings; it makes the job's
 Samplers follow ``mlx_lm.sample_utils.make_sampler`` (the same top-p, min-p and top-k
 filters, then categorical sampling at the temperature; greedy at temperature 0). A
 request with a ``seed`` gets a sampler that owns its random key and splits it once per
-token, so its samples do not depend on the other jobs in the batch.
+token, so its samples do not depend on the other jobs in the batch; sample ``i`` of a
+request with ``n`` samples is seeded ``seed + i``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler
 
 from mlxq.engine.prefix_cache import Plan
-from mlxq.wire import FinishReason, Request, TokenLogprob, TopLogprob
+from mlxq.wire import Choice, FinishReason, Request, TokenLogprob, TopLogprob
 
 Sampler = Callable[[mx.array], mx.array]
 Filter = Callable[[mx.array], mx.array]
@@ -50,7 +51,11 @@ class StreamChunk:
 
 @dataclass
 class Completion:
-    """The outcome of one job. Times are ``time.time()`` seconds."""
+    """The outcome of one job. Times are ``time.time()`` seconds.
+
+    A job of ``n`` > 1 samples has ``choices`` (one per sample, in order); its text, token
+    ids, logprobs and finish_reason are then choice 0's, unless the job was stopped whole.
+    """
 
     key: str
     finish_reason: FinishReason
@@ -64,6 +69,14 @@ class Completion:
     finished_at: float = 0.0
     prefill_seconds: float | None = None
     decode_seconds: float | None = None
+    choices: list[Choice] | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated: every choice's, for a job of several samples."""
+        if self.choices:
+            return sum(len(c.token_ids) for c in self.choices)
+        return len(self.token_ids)
 
 
 @dataclass
@@ -181,13 +194,14 @@ def _filters(request: Request, vocab_size: int) -> list[Filter]:
     return filters
 
 
-def make_job_sampler(request: Request, vocab_size: int) -> Sampler:
-    """The sampler of one job: greedy, or filtered categorical (seeded if asked)."""
+def make_job_sampler(request: Request, vocab_size: int, sample: int = 0) -> Sampler:
+    """The sampler of one job (of its ``sample``-th sample): greedy, or filtered
+    categorical (seeded ``seed + sample`` if the request has a seed)."""
     if request.temperature == 0:
         return greedy_sampler  # one shared object: mlx-lm then samples the batch at once
     filters = _filters(request, vocab_size)
     inv_temp = 1.0 / request.temperature
-    key = None if request.seed is None else mx.random.key(request.seed)
+    key = None if request.seed is None else mx.random.key(request.seed + sample)
 
     def sampler(logprobs: mx.array) -> mx.array:
         nonlocal key

@@ -27,6 +27,7 @@ from mlxq.engine.attention import Kernel
 from mlxq.engine.protocol import BatchLogitsHook
 from mlxq.engine.sampling import RunningJob, Sampler, token_logprobs
 from mlxq.engine.slot_cache import DecodeState, SlotCache, SlotLayer
+from mlxq.engine.slot_samples import Samples
 from mlxq.wire import TokenLogprob
 
 # Rows per attention group (each attends up to its own longest row).
@@ -86,13 +87,16 @@ def _evaluate_private_arrays(model: nn.Module) -> None:
 
 @dataclass(eq=False)
 class Row:
-    """A decoding job: its slot, sampler, processors and the token it feeds next."""
+    """A decoding job (or one sample of a job of several, ``samples``): its slot, sampler,
+    processors and the token it feeds next."""
 
     run: RunningJob
     slot: int
     sampler: Sampler
     processors: list[Any]
     next_input: int  # the host copy; the step in flight may hold a newer one on the device
+    samples: Samples | None = None  # its job's samples, if it is one of several
+    index: int = 0  # which sample of them
 
 
 @dataclass

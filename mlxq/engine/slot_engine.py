@@ -22,6 +22,10 @@ same shape (:mod:`mlxq.engine.scheduler`).
 With ``prefix_cache_bytes``, a job starts from the stored KV of a recurring prompt prefix
 (:mod:`mlxq.engine.prefix_cache`): the prefix is written into its group's rows and only
 the rest is prefilled; a job whose prefix recurs stores it from its rows after prefill.
+
+A job of ``n`` samples is prefilled once and decodes in ``n`` rows, each sample with its
+own seed, stop strings and finish (:mod:`mlxq.engine.slot_samples`); it completes when
+the last sample ends, and a cancel ends them all.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from mlxq.engine.slot_decode import (
 from mlxq.engine.slot_joining import Joining
 from mlxq.engine.slot_joins import JoinPolicy, Waiting
 from mlxq.engine.slot_order import sorted_order
+from mlxq.engine.slot_samples import Samples
 from mlxq.engine.slot_stepping import Stepping
 from mlxq.engine.stats import EngineStats
 from mlxq.wire import Request
@@ -128,7 +133,8 @@ class SlotEngine(Stepping, Joining):
         self._eos = set(tokenizer.eos_token_ids)
         self._new_cache()
         self._rows: dict[int, Row] = {}  # by slot
-        self._keys: dict[str, int] = {}  # job key -> slot
+        self._keys: dict[str, int] = {}  # job key (a sample's key) -> slot
+        self._samples: dict[str, Samples] = {}  # jobs of several samples, decoding
         self._waiting: list[Waiting] = []
         self._waiting_keys: set[str] = set()  # (their keys: a duplicate check in O(1))
         self._chunks: list[StreamChunk] = []
@@ -141,8 +147,9 @@ class SlotEngine(Stepping, Joining):
 
     @property
     def active(self) -> int:
-        """Jobs admitted and not finished (decoding or waiting to join)."""
-        return len(self._rows) + len(self._waiting)
+        """Rows of the jobs admitted and not finished (decoding or waiting to join): one
+        per job, or per sample of a job of several."""
+        return len(self._rows) + sum(w.rows for w in self._waiting)
 
     @property
     def join_group(self) -> int:
@@ -182,10 +189,15 @@ class SlotEngine(Stepping, Joining):
 
         Raises ``ValueError`` if a job with the same key is already in the engine.
         """
-        if job.key in self._keys or job.key in self._waiting_keys:
+        if job.key in self._keys or job.key in self._waiting_keys or job.key in self._samples:
             raise ValueError(f"job {job.key} is already in the engine")
         now = time.time()
         try:
+            if (n := job.request.n) > self.max_batch:
+                raise JobInputError(
+                    f"n = {n} samples take {n} rows of the batch, and this worker's holds "
+                    f"{self.max_batch}; lower n or run the worker with --max-batch {n}"
+                )
             tokens = self._prompts.prompt_tokens(job.request) if tokens is None else list(tokens)
             self._prompts.check_tokens(tokens, job.request.max_tokens)
             if (why := self._constraints.check(job.request)) is not None:
@@ -196,7 +208,7 @@ class SlotEngine(Stepping, Joining):
         self._stats.prompt_tokens += len(tokens)
         if self._prefix is not None:
             self._prefix.observe(tokens)
-        self._waiting.append(Waiting(run, since_step=self._steps))
+        self._waiting.append(Waiting(run, since_step=self._steps, rows=job.request.n))
         self._waiting_keys.add(job.key)
         return None
 
@@ -209,8 +221,13 @@ class SlotEngine(Stepping, Joining):
                 if w.plan is not None:
                     w.plan.release()
                 return w.run.completion("cancelled", "")
+        samples = self._samples.get(key)
+        if samples is not None:  # every sample still running ends; the last one says so
+            samples.stopped = "cancelled"
+            ended = [s for s, row in self._rows.items() if row.samples is samples]
+            return [c for s in ended for c in self._finish(s, "cancelled")][-1]
         slot = self._keys.get(key)
-        return None if slot is None else self._finish(slot, "cancelled")
+        return None if slot is None else self._finish(slot, "cancelled")[0]
 
     def warmup(self) -> None:
         """Run one tiny generation so that the first real jobs skip compile/alloc costs."""
@@ -220,6 +237,7 @@ class SlotEngine(Stepping, Joining):
         """Drop all jobs and the slot cache."""
         self._rows.clear()
         self._keys.clear()
+        self._samples.clear()
         self._waiting.clear()
         self._waiting_keys.clear()
         self._inflight = None
@@ -316,7 +334,7 @@ class SlotEngine(Stepping, Joining):
     def _fail_batch(self, exc: Exception) -> list[Completion]:
         """Fail the decoding jobs; keep the waiting ones; start from a fresh slot cache."""
         error = f"generation failed for the whole batch: {error_line(exc)}"
-        failed = [self._finish(slot, "error", error) for slot in list(self._rows)]
+        failed = [c for slot in list(self._rows) for c in self._finish(slot, "error", error)]
         self._inflight = None
         self._new_cache()
         mx.clear_cache()

@@ -2,7 +2,8 @@
 
 A mixin of :class:`~mlxq.engine.slot_engine.SlotEngine` (the engine's state is its own):
 the policy of when a group joins and which jobs it holds is :mod:`mlxq.engine.slot_joins`
-(plain Python); the prefill itself is :mod:`mlxq.engine.slot_prefill`.
+(plain Python); the prefill itself is :mod:`mlxq.engine.slot_prefill`. A job of ``n``
+samples is prefilled once and seated in ``n`` rows (:mod:`mlxq.engine.slot_samples`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from mlxq.engine.prefill_shapes import group_rows
 from mlxq.engine.prompts import error_line
-from mlxq.engine.sampling import Completion, make_job_sampler
+from mlxq.engine.sampling import Completion, RunningJob, make_job_sampler
 from mlxq.engine.slot_decode import Row
 from mlxq.engine.slot_joins import JoinPolicy, Waiting, join_due, pick_group
 from mlxq.engine.slot_prefill import prefill_group
+from mlxq.engine.slot_samples import Samples
 
 
 class Joining:
@@ -27,6 +29,7 @@ class Joining:
     below is the engine's, set in its constructor)."""
 
     model: Any
+    tokenizer: Any
     info: Any
     choices: Any
     hooks: list[Any]
@@ -41,6 +44,7 @@ class Joining:
     _waiting_keys: set[str]
     _rows: dict[int, Row]
     _keys: dict[str, int]
+    _samples: dict[str, Samples]
     _inflight: Any
     _steps: int
     join_group: int  # (a property of the engine)
@@ -59,12 +63,12 @@ class Joining:
         if self.choices.prefill_buckets:
             limit = group_rows(min(limit, len(self._waiting)))
         tokens, step = self.prefill_tokens, self.prefill_step
-        group = pick_group(self._waiting, limit, self._prefix, tokens, step)
+        group = pick_group(self._waiting, limit, self._prefix, tokens, step, free)
         self._waiting_keys.difference_update(w.run.job.key for w in group)
         return self._prefill(group) if group else []
 
     def _prefill(self, group: list[Waiting]) -> list[Completion]:
-        slots = [self._cache.alloc() for _ in group]
+        slots = [self._cache.alloc() for w in group for _ in range(w.rows)]
         plan = group[0].plan
         reused = plan.reused_tokens if plan is not None else 0
         prefix = self._prefix.kv_cache(plan) if plan is not None and self._prefix else None
@@ -79,8 +83,7 @@ class Joining:
         try:
             slots = self._room_for(slots, max(len(w.run.prompt) for w in group))
         except Exception as exc:  # (a cache half laid out: every decoding job fails)
-            dropped = [self._drop(w, slot, exc) for w, slot in zip(group, slots, strict=True)]
-            return dropped + self._fail_batch(exc)
+            return self._drop(group, slots, exc) + self._fail_batch(exc)
         tic = time.perf_counter()
         try:
             rows = prefill_group(
@@ -91,33 +94,54 @@ class Joining:
                 prefix,
                 self.prefill_step,
                 self.choices.prefill_buckets,
+                [w.rows for w in group],
             )
         except Exception as exc:
             mx.clear_cache()
-            return [self._drop(w, slot, exc) for w, slot in zip(group, slots, strict=True)]
+            return self._drop(group, slots, exc)
         self._stats.prefilled_tokens += sum(len(s) for s in suffixes)
         self._stats.prefill_calls += 1
         self._stats.prefill_seconds += time.perf_counter() - tic
-        for i, (w, slot) in enumerate(zip(group, slots, strict=True)):
+        at = 0
+        for i, w in enumerate(group):
             if w.plan is not None and w.plan.store:
                 store_to = w.plan.store_to
                 w.plan.owner.store(w.plan, rows.row(i), w.run.prompt[:store_to], w.run.prompt)
-            self._seat(w, slot)
+            self._seat(w, slots[at : at + w.rows])
+            at += w.rows
         return []
 
-    def _drop(self, w: Waiting, slot: int, exc: Exception) -> Completion:
-        self._cache.free(slot)
-        if w.plan is not None:
-            w.plan.release()
-        return w.run.completion("error", "", f"could not start the job: {error_line(exc)}")
+    def _drop(self, group: list[Waiting], slots: list[int], exc: Exception) -> list[Completion]:
+        """Fail a group that could not start; its slots are free again."""
+        for slot in slots:
+            self._cache.free(slot)
+        out = []
+        for w in group:
+            if w.plan is not None:
+                w.plan.release()
+            error = f"could not start the job: {error_line(exc)}"
+            out.append(w.run.completion("error", "", error))
+        return out
 
-    def _seat(self, w: Waiting, slot: int) -> None:
-        req = w.run.job.request
+    def _seat(self, w: Waiting, slots: list[int]) -> None:
+        """Make the prefilled job rows: one, or one per sample (:mod:`slot_samples`)."""
+        w.run.plan = w.plan
+        if len(slots) == 1:
+            self._add_row(w.run, slots[0])
+            return
+        samples = Samples(w.run)
+        self._samples[samples.key] = samples
+        for i, slot in enumerate(slots):
+            self._add_row(samples.start(i, self.tokenizer), slot, samples, i)
+
+    def _add_row(
+        self, run: RunningJob, slot: int, samples: Samples | None = None, i: int = 0
+    ) -> None:
+        req = run.job.request
         penalty = req.repetition_penalty
         processors = [] if penalty is None else make_logits_processors(repetition_penalty=penalty)
-        sampler = make_job_sampler(req, self.info.vocab_size)
-        w.run.plan = w.plan
-        self._rows[slot] = Row(w.run, slot, sampler, processors, w.run.prompt[-1])
-        self._keys[w.run.job.key] = slot
+        sampler = make_job_sampler(req, self.info.vocab_size, i)
+        self._rows[slot] = Row(run, slot, sampler, processors, run.prompt[-1], samples, i)
+        self._keys[run.job.key] = slot
         for hook in self.hooks:
-            hook.admit(w.run.job.key, req)
+            hook.admit(run.job.key, req)

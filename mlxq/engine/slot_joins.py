@@ -9,7 +9,8 @@ Plain Python (no MLX): the slot engine hands in its waiting list and counts.
 - :func:`pick_group`: up to ``limit`` waiting jobs in arrival order that share one
   prefill call: the same cached prefix (if any) and prompts left to prefill within 2x
   (or 64 tokens) of the first one's, so right-padding wastes little; with a token budget,
-  as many as one prefill call of that many tokens holds.
+  as many as one prefill call of that many tokens holds; a job of ``n`` samples takes ``n``
+  of the free slots.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Waiting:
     plan: Plan | None = None  # its prefix-cache plan, once made
     planned: bool = False
     since_step: int = 0  # the engine's step count when it arrived
+    rows: int = 1  # slots it takes: one per sample (its prompt is prefilled once)
 
 
 def similar(n: int, base: int) -> bool:
@@ -83,9 +85,12 @@ def pick_group(
     prefix: Any | None,
     tokens: int | None = None,
     step: int = 2048,
+    free: int | None = None,
 ) -> list[Waiting]:
     """The next prefill group, taken out of ``waiting``; ``prefix`` is the engine's prefix
-    cache (its ``plan(prompt)`` says which stored prefix a job reuses), or None.
+    cache (its ``plan(prompt)`` says which stored prefix a job reuses), or None. With
+    ``free``, the group's rows (a job's samples, :attr:`Waiting.rows`) fit in that many
+    slots: in arrival order, so a job of many samples is not passed over for good.
 
     With ``tokens``, the group also stops where one prefill call (its rows times its
     longest prompt left to prefill, in chunks of ``step``) would pass that many tokens: a
@@ -93,9 +98,9 @@ def pick_group(
     known here (when the job arrived, the prefix it reuses may not have been stored yet).
     """
     group: list[Waiting] = []
-    key, base, longest = None, 0, 0
+    key, base, longest, rows = None, 0, 0, 0
     for w in waiting:
-        if len(group) >= limit:
+        if len(group) >= limit or (free is not None and rows + w.rows > free):
             break
         if prefix is not None and not w.planned:
             w.plan = prefix.plan(w.run.prompt)
@@ -110,7 +115,7 @@ def pick_group(
             break
         if not group:
             key, base = leaf, n
-        longest = max(longest, n)
+        longest, rows = max(longest, n), rows + w.rows
         group.append(w)
     for w in group:
         waiting.remove(w)

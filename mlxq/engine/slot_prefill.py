@@ -46,15 +46,19 @@ def prefill_group(
     prefix: list[KVCache] | None,
     step: int,
     buckets: bool = False,
+    copies: list[int] | None = None,
 ) -> PrefillRows:
     """Prefill ``suffixes`` after the shared ``prefix`` and write the rows into ``slots``.
 
     ``suffixes`` are the prompts less the prefix and less their last token (possibly
     empty). With ``buckets`` the call's rows and length are padded to
-    :mod:`~mlxq.engine.prefill_shapes` sizes (dummy rows are never written). Returns the
-    temporary cache (real rows first); ``cache.lengths`` is set for each slot.
+    :mod:`~mlxq.engine.prefill_shapes` sizes (dummy rows are never written). With
+    ``copies``, prompt ``i`` is written into ``copies[i]`` consecutive slots (the samples
+    of one job: one prefill, n rows). Returns the temporary cache (real rows first);
+    ``cache.lengths`` is set for each slot.
     """
-    rows = len(slots)
+    copies = copies or [1] * len(suffixes)
+    rows = len(suffixes)
     longest = max(len(s) for s in suffixes)
     width, height = longest, rows
     if buckets and longest:
@@ -72,13 +76,19 @@ def prefill_group(
             model(tokens[:, at : at + step], cache=temp)
             mx.eval([a for c in temp for a in (c.keys, c.values)])
     end = start + longest
+    # Each slot's source row: 0..rows-1, or each row repeated for its copies (a gather).
+    source = [i for i, k in enumerate(copies) for _ in range(k)]
+    picked = None if len(source) == rows else mx.array(source)
     if end:
         cache.reserve(end + 1)
         for layer, c in enumerate(temp):
-            cache.write(slots, layer, c.keys[:rows, :, :end, :], c.values[:rows, :, :end, :])
+            keys, values = c.keys[:rows, :, :end, :], c.values[:rows, :, :end, :]
+            if picked is not None:
+                keys, values = keys[picked], values[picked]
+            cache.write(slots, layer, keys, values)
         mx.eval(cache.keys, cache.values)
-    for slot, suffix in zip(slots, suffixes, strict=True):
-        cache.lengths[slot] = start + len(suffix)
+    for slot, i in zip(slots, source, strict=True):
+        cache.lengths[slot] = start + len(suffixes[i])
     return PrefillRows(temp)
 
 

@@ -59,6 +59,7 @@ class Stepping:
     _inflight: Step | None
 
     _keys: dict[str, int]
+    _samples: dict[str, Any]
     _fail_batch: Callable[[Exception], list[Completion]]  # (the engine's)
 
     def _decode(self) -> list[Completion]:
@@ -190,11 +191,9 @@ class Stepping:
         done = self._record(step, tokens, free)
         if held:
             failed = self._constraints.failures()
-            done += [
-                self._finish(r.slot, "error", failed[k])
-                for _, r in held
-                if (k := r.run.job.key) in failed
-            ]
+            for _, r in held:
+                if (k := r.run.job.key) in failed:
+                    done += self._finish(r.slot, "error", failed[k])
             done += self._record(
                 step, tokens, [(i, r) for i, r in held if r.run.job.key not in failed]
             )
@@ -223,14 +222,18 @@ class Stepping:
             elif len(run.tokens) >= run.job.request.max_tokens:
                 reason = "length"
             if reason is not None:
-                done.append(self._finish(row.slot, reason))
+                done += self._finish(row.slot, reason)
             else:
                 row.next_input = token
                 if run.job.request.stream:
                     run.stream_update(self.tokenizer, self._chunks)
         return done
 
-    def _finish(self, slot: int, reason: FinishReason, error: str | None = None) -> Completion:
+    def _finish(
+        self, slot: int, reason: FinishReason, error: str | None = None
+    ) -> list[Completion]:
+        """End the row in ``slot``: its job's Completion, or none while other samples of
+        its job still run (:mod:`~mlxq.engine.slot_samples`)."""
         row = self._rows.pop(slot)
         run = row.run
         del self._keys[run.job.key]
@@ -239,4 +242,11 @@ class Stepping:
             hook.release(run.job.key)
         if run.plan is not None:
             run.plan.release()
-        return run.finish(reason, self.tokenizer, self._chunks, error)
+        done = run.finish(reason, self.tokenizer, self._chunks, error)
+        if row.samples is None:
+            return [done]
+        whole = row.samples.finished(row.index, done)
+        if whole is None:
+            return []
+        del self._samples[row.samples.key]
+        return [whole]

@@ -31,6 +31,7 @@ DEFAULTABLE = (
     "stop",
     "logprobs",
     "response_format",
+    "n",
 )
 # OpenAI body names that set a Request field.
 _OPENAI_NAMES = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}

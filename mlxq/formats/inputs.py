@@ -354,7 +354,6 @@ _MLXQ_UNKNOWN_HINTS = {
     "model": "the queue's workers choose the model; to record one, put it in `metadata`",
     "max_completion_tokens": "use `max_tokens`",
     "top_logprobs": "use `logprobs` (the number of top alternatives per token)",
-    "n": "write one line per completion",
     "frequency_penalty": "not supported; use `repetition_penalty`",
     "presence_penalty": "not supported; use `repetition_penalty`",
     "id": "use `custom_id`",

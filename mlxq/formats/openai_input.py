@@ -59,6 +59,7 @@ _PASSTHROUGH = (
     "min_p",
     "repetition_penalty",
     "response_format",
+    "n",
 )
 _Fail = Callable[[str], InvalidLine]
 _MEDIA_PARTS = frozenset(
@@ -77,7 +78,8 @@ def request_from_openai(obj: dict[str, Any], line: int) -> Request:
     ``url`` is ``/v1/chat/completions`` or ``/v1/completions``. In ``body``, a null value
     is the same as leaving the field out; ``model`` goes to ``metadata["model"]``;
     ``user`` is ignored; mlxq's ``top_k``, ``min_p`` and ``repetition_penalty`` are
-    accepted; anything mlxq cannot honour (``n`` > 1, ``stream``, non-zero frequency or
+    accepted; ``n`` asks for that many samples (up to :data:`~mlxq.wire.MAX_SAMPLES`);
+    anything mlxq cannot honour (``best_of``, ``stream``, non-zero frequency or
     presence penalties, images, several prompts, tools...) is an error, as is any unknown
     field. Chat content given as a list of text parts is joined with newlines.
     """
@@ -169,12 +171,6 @@ def _refuse_unsupported(body: dict[str, Any], fail: _Fail) -> None:
                 f"body.{k}: not supported (got {show(v)}); remove it or set it to 0, "
                 "and use repetition_penalty (e.g. 1.1) to discourage repetition"
             )
-    n = body.get("n", 1)
-    if type(n) is not int or n != 1:
-        raise fail(
-            f"body.n: only n=1 is supported (got {show(n)}); write one line per completion, "
-            "each with its own custom_id (and seed, to get different samples)"
-        )
     if body.get("stream", False) is not False:
         raise fail(
             f"body.stream: streaming is not supported in batches (got {show(body['stream'])});"

@@ -24,6 +24,9 @@ Choices made where mlxq and OpenAI differ:
   ``req_<hex>`` and the body's ``chatcmpl-<hex>`` / ``cmpl-<hex>``. ``created`` is the
   result's finish time (Unix seconds, else its latest earlier timestamp); ``model`` the
   model the worker served, else the one the request named.
+* ``n`` > 1: a choice per sample, in order, each with its own ``finish_reason``; a
+  sample that ended in error (e.g. its constraint failed) reports ``error`` there.
+  ``usage.completion_tokens`` counts every choice's tokens.
 * Logprobs: results carry token ids, not token text. Pass ``token_text`` (e.g. a
   tokenizer's single-token decode) to get real ``token`` strings and their UTF-8 ``bytes``;
   without it ``token`` is the id as a decimal string and ``bytes`` is null. Either way
@@ -61,6 +64,8 @@ _FALLBACK_MESSAGES = {
 }
 
 TokenText = Callable[[int], str]
+# One choice's body fields (message or text, and logprobs) from its text and logprobs.
+_Choice = Callable[[str, list[TokenLogprob] | None], dict[str, Any]]
 
 
 def is_error(result: Result) -> bool:
@@ -113,22 +118,25 @@ def error_line(line_id: str, custom_id: str | None, code: str, message: str) -> 
 
 
 def chat_body(result: Result, token_text: TokenText | None = None) -> dict[str, Any]:
-    """A ``chat.completion`` object for a finished result."""
-    logprobs = None
-    if result.logprobs is not None:
-        content = [_chat_logprob(lp, token_text) for lp in result.logprobs]
-        logprobs = {"content": content, "refusal": None}
-    message = {"role": "assistant", "content": result.text, "refusal": None}
-    choice = {"message": message, "logprobs": logprobs}
+    """A ``chat.completion`` object for a finished result (a choice per sample)."""
+
+    def choice(text: str, lps: list[TokenLogprob] | None) -> dict[str, Any]:
+        logprobs = None
+        if lps is not None:
+            logprobs = {"content": [_chat_logprob(lp, token_text) for lp in lps], "refusal": None}
+        message = {"role": "assistant", "content": text, "refusal": None}
+        return {"message": message, "logprobs": logprobs}
+
     return _body(result, "chatcmpl-", "chat.completion", choice)
 
 
 def completion_body(result: Result, token_text: TokenText | None = None) -> dict[str, Any]:
-    """A ``text_completion`` object for a finished result."""
-    logprobs = None
-    if result.logprobs is not None:
-        logprobs = _completion_logprobs(result.logprobs, token_text)
-    choice = {"text": result.text, "logprobs": logprobs}
+    """A ``text_completion`` object for a finished result (a choice per sample)."""
+
+    def choice(text: str, lps: list[TokenLogprob] | None) -> dict[str, Any]:
+        logprobs = None if lps is None else _completion_logprobs(lps, token_text)
+        return {"text": text, "logprobs": logprobs}
+
     return _body(result, "cmpl-", "text_completion", choice)
 
 
@@ -146,15 +154,23 @@ def _error(result: Result, cancelled_code: str) -> tuple[str, str]:
     return code, ERROR_MESSAGES.get(code) or result.error or fallback
 
 
-def _body(result: Result, id_prefix: str, kind: str, choice: dict[str, Any]) -> dict[str, Any]:
-    """The fields that chat and text completion objects share around their one choice."""
-    reason = FINISH_REASONS.get(result.finish_reason, result.finish_reason)
+def _body(result: Result, id_prefix: str, kind: str, choice: _Choice) -> dict[str, Any]:
+    """The fields that chat and text completion objects share around their choices: one,
+    or one per sample of a request with ``n`` > 1, each with its own finish_reason."""
+    if result.choices:
+        samples = [(c.index, c.text, c.logprobs, c.finish_reason) for c in result.choices]
+    else:
+        samples = [(0, result.text, result.logprobs, result.finish_reason)]
+    choices = [
+        {"index": i, **choice(text, lps), "finish_reason": FINISH_REASONS.get(why, why)}
+        for i, text, lps, why in samples
+    ]
     return {
         "id": id_prefix + _hex(result.job_id),
         "object": kind,
         "created": _created(result),
         "model": _model(result),
-        "choices": [{"index": 0, **choice, "finish_reason": reason}],
+        "choices": choices,
         "usage": _usage(result),
         "system_fingerprint": None,
     }

@@ -1,6 +1,10 @@
 """Tables out: a batch's results as CSV (standard library) or Parquet (pyarrow).
 
-One row per request, in input order, with :data:`RESULT_COLUMNS`. ``with_input`` adds the
+One row per request, in input order, with :data:`RESULT_COLUMNS`; a request with ``n`` > 1
+samples gives one row per choice, and the table then has a ``choice`` column after
+``custom_id`` (the sample's index; 0 for requests of one sample): each choice row has its
+own text, finish_reason and completion_tokens, and the request's prompt_tokens (so
+``total_tokens`` is the prompt's plus the choice's). ``with_input`` adds the
 columns of the input row each request came from: a table input keeps its row in the
 request's ``metadata["input"]``; for a JSONL request file the request's own ``metadata``
 fields are its input columns. An input column whose name is taken by a result column is
@@ -80,19 +84,40 @@ def result_row(result: Result) -> dict[str, Any]:
     }
 
 
+def choice_rows(result: Result) -> list[dict[str, Any]]:
+    """The rows of one result: one per choice (with ``choice``), else its one row."""
+    row = result_row(result)
+    if not result.choices:
+        return [row]
+    out = []
+    for c in result.choices:
+        prompt = result.usage.prompt_tokens
+        own = {"text": c.text, "finish_reason": c.finish_reason}
+        tokens = {"completion_tokens": len(c.token_ids), "total_tokens": prompt + len(c.token_ids)}
+        out.append({**row, "choice": c.index, **own, **tokens})
+    return out
+
+
 def table_rows(results: Iterable[Result], with_input: bool) -> tuple[list[str], list[dict]]:
     """The column names and the rows of ``results`` (input columns after the result's)."""
+    results = list(results)
     columns = list(RESULT_COLUMNS)
+    sampled = any(r.choices for r in results)
+    if sampled:
+        columns.insert(1, "choice")
+    taken = (*RESULT_COLUMNS, "choice") if sampled else RESULT_COLUMNS
     rows = []
     for result in results:
-        row = result_row(result)
-        if with_input:
-            for name, value in (input_row(result) or {}).items():
-                key = f"input_{name}" if name in RESULT_COLUMNS else str(name)
+        inputs = input_row(result) if with_input else None
+        for row in choice_rows(result):
+            if sampled:
+                row.setdefault("choice", 0)
+            for name, value in (inputs or {}).items():
+                key = f"input_{name}" if name in taken else str(name)
                 if key not in columns:
                     columns.append(key)
                 row[key] = value
-        rows.append(row)
+            rows.append(row)
     return columns, rows
 
 

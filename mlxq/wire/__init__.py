@@ -10,7 +10,14 @@ from __future__ import annotations
 import msgspec
 
 from mlxq.wire.records import BatchInfo, BatchStatus, JobMeta, ModelInfo, QueueInfo, WorkerInfo
-from mlxq.wire.request import MAX_LOGPROBS, MAX_TOKENS_LIMIT, Message, Request, request_decoder
+from mlxq.wire.request import (
+    MAX_LOGPROBS,
+    MAX_SAMPLES,
+    MAX_TOKENS_LIMIT,
+    Message,
+    Request,
+    request_decoder,
+)
 from mlxq.wire.response_format import (
     GrammarFormat,
     JsonObjectFormat,
@@ -21,6 +28,7 @@ from mlxq.wire.response_format import (
     TextFormat,
 )
 from mlxq.wire.result import (
+    Choice,
     FinishReason,
     Result,
     StreamEntry,
@@ -36,9 +44,11 @@ json_encoder = msgspec.json.Encoder()
 
 __all__ = [
     "MAX_LOGPROBS",
+    "MAX_SAMPLES",
     "MAX_TOKENS_LIMIT",
     "BatchInfo",
     "BatchStatus",
+    "Choice",
     "FinishReason",
     "GrammarFormat",
     "JobMeta",

@@ -12,6 +12,8 @@ from mlxq.wire.response_format import ResponseFormat
 # Generous upper bounds that still catch typos (a max_tokens of 10**9 is never meant).
 MAX_TOKENS_LIMIT = 1_000_000
 MAX_LOGPROBS = 20
+# Samples of one request (OpenAI's ``n``): each takes a row of the batch.
+MAX_SAMPLES = 128
 
 TokenId = Annotated[int, Meta(ge=0)]
 
@@ -33,7 +35,9 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True):
     chosen token's logprob). ``stream`` appends text to ``keys.stream(job_id)`` as it is
     generated, so a service can show partial output. ``response_format`` constrains the
     output to a JSON schema, any JSON object, a regex or a Lark grammar
-    (:mod:`mlxq.wire.response_format`).
+    (:mod:`mlxq.wire.response_format`). ``n`` asks for that many samples of the one
+    prompt (prefilled once), sample ``i`` seeded ``seed + i``; the result's ``choices``
+    hold them (:class:`~mlxq.wire.result.Result`). ``n`` > 1 cannot stream.
     """
 
     prompt: str | list[TokenId] | None = None
@@ -51,6 +55,7 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True):
     metadata: dict[str, Any] = {}
     stream: bool = False  # append tokens to a Redis stream as they come (`mlxq tail`)
     response_format: ResponseFormat | None = None  # JSON schema, regex or grammar
+    n: Annotated[int, Meta(ge=1, le=MAX_SAMPLES)] = 1  # samples of this prompt
 
     def __post_init__(self) -> None:
         has_prompt = self.prompt is not None
@@ -61,6 +66,11 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True):
             raise ValueError("`prompt` is empty: give text or at least one token id")
         if has_messages and not self.messages:
             raise ValueError("`messages` is empty: give at least one message")
+        if self.n > 1 and self.stream:
+            raise ValueError(
+                f"`stream` with `n` = {self.n}: a stream carries one sample; "
+                "set `stream` to false or `n` to 1"
+            )
 
 
 request_decoder = msgspec.json.Decoder(Request)

@@ -59,12 +59,27 @@ class Timing(Struct):
     decode_tps: float | None = None
 
 
+class Choice(Struct):
+    """One sample of a request with ``n`` > 1: its output and why it ended."""
+
+    index: int
+    finish_reason: FinishReason
+    text: str = ""
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprob] | None = None
+
+
 class Result(Struct, omit_defaults=False):
     """The outcome of one request, stored as its RQ job's return value.
 
     ``finish_reason`` is ``stop`` (EOS or a stop string), ``length`` (``max_tokens``),
     ``error`` (see ``error``), ``cancelled``, ``timeout`` (the job's wall-clock limit) or
     ``expired`` (its batch expired before it ran).
+
+    A request with ``n`` > 1 has ``choices``, one per sample in order; ``text``,
+    ``token_ids``, ``logprobs`` and ``finish_reason`` are then those of choice 0 (a job
+    stopped as a whole says why instead), and ``usage.completion_tokens`` counts every
+    choice's tokens. With ``n`` = 1, ``choices`` is null.
     """
 
     job_id: str
@@ -81,6 +96,7 @@ class Result(Struct, omit_defaults=False):
     index: int | None = None
     metadata: dict[str, Any] = {}
     timing: Timing = msgspec.field(default_factory=Timing)
+    choices: list[Choice] | None = None
 
 
 result_decoder = msgspec.json.Decoder(Result)

@@ -131,8 +131,8 @@ def _write(pipe, worker: BaseWorker, inf: InFlight, result: Result) -> None:
 
 
 def build_result(inf: InFlight, c: Completion, model: str, worker: str) -> Result:
-    """The stored result of a job: tokens, usage and timing."""
-    n = len(c.token_ids)
+    """The stored result of a job: tokens, usage and timing (and its samples' choices)."""
+    n = c.completion_tokens
     # A job the worker stopped ends "cancelled" in the engine; say why it was stopped.
     stopped = c.finish_reason == "cancelled" and inf.stop_reason is not None
     reason = inf.stop_reason if stopped and inf.stop_reason else c.finish_reason
@@ -155,6 +155,7 @@ def build_result(inf: InFlight, c: Completion, model: str, worker: str) -> Resul
         index=inf.meta.index,
         metadata=inf.request.metadata,
         timing=_timing(inf, c),
+        choices=c.choices,
     )
 
 
@@ -167,7 +168,7 @@ def unrun_result(inf: InFlight, reason: str, error: str, model: str, worker: str
 
 def _timing(inf: InFlight, c: Completion) -> Timing:
     enqueued = inf.job.enqueued_at.timestamp() if inf.job.enqueued_at else None
-    n = len(c.token_ids)
+    n = c.completion_tokens
     return Timing(
         enqueued_at=enqueued,
         started_at=inf.started_at,
