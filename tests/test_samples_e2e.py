@@ -31,14 +31,7 @@ LINES = [
         "custom_id": "oa-chat",
         "method": "POST",
         "url": "/v1/chat/completions",
-        "body": {
-            "model": "m",
-            "messages": [{"role": "user", "content": "Say hi"}],
-            "max_tokens": 6,
-            "n": 2,
-            "temperature": 0.7,
-            "seed": 1,
-        },
+        "body": {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "temperature": 0.7},
     },
 ]
 
