@@ -37,7 +37,11 @@ PERSISTENT_CONFIG = {
 
 
 class DataDirInUse(RuntimeError):
-    """Another running server holds the data folder."""
+    """Another running server holds the data folder (``holder``: its pid, as it wrote it)."""
+
+    def __init__(self, message: str, holder: str = "?") -> None:
+        super().__init__(message)
+        self.holder = holder
 
 
 def lock_data_dir(data_dir: Path) -> int:
@@ -52,7 +56,8 @@ def lock_data_dir(data_dir: Path) -> int:
         os.close(fd)
         raise DataDirInUse(
             f"another mlxq server (pid {holder}) uses the data folder {data_dir}; "
-            "stop it, or give this one another --data-dir"
+            "stop it, or give this one another --data-dir",
+            holder,
         ) from None
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())

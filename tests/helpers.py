@@ -34,20 +34,32 @@ def run_mlxq(
 def start_submit(url: str, path: Path, queue: str, *args: str) -> tuple[subprocess.Popen, str]:
     """Start ``mlxq submit PATH --queue QUEUE ARGS`` and read the batch id it prints before
     enqueueing; returns the process (stderr piped) and the batch id."""
+    args = ("submit", str(path), "--queue", queue, *args)
+    env = {**os.environ, "MLXQ_REDIS_URL": url}
+    proc, found = start_until(args, env, r"batch (b[0-9a-f]+): enqueueing", subprocess.DEVNULL)
+    return proc, found.group(1)
+
+
+def start_until(
+    args: tuple[str, ...], env: dict, pattern: str, stdout: Any = subprocess.PIPE
+) -> tuple[subprocess.Popen, re.Match]:
+    """Start ``python -m mlxq ARGS`` (stderr piped) and read its stderr until a line
+    matches ``pattern``; the process and the match."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlxq", "submit", str(path), "--queue", queue, *args],
+        [sys.executable, "-m", "mlxq", *args],
         cwd=ROOT,
-        env={**os.environ, "MLXQ_REDIS_URL": url},
-        stdout=subprocess.DEVNULL,
+        env=env,
+        stdout=stdout,
         stderr=subprocess.PIPE,
         text=True,
     )
     assert proc.stderr is not None
     for line in proc.stderr:
-        found = re.search(r"batch (b[0-9a-f]+): enqueueing", line)
+        found = re.search(pattern, line)
         if found:
-            return proc, found.group(1)
-    raise AssertionError("submit did not print the batch id before enqueueing")
+            return proc, found
+    proc.wait()
+    raise AssertionError(f"mlxq {args[0]} exited ({proc.returncode}) before printing {pattern!r}")
 
 
 class Worker:

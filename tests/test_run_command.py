@@ -1,6 +1,7 @@
 """``mlxq run`` as a user runs it (a subprocess, its own embedded Valkey): failed requests
 make it exit non-zero with their reasons in one line, a SIGINT or SIGTERM says how to get
-what it left undone, and ``--log-level info`` shows the worker's decisions."""
+what it left undone (test_run_resume.py resumes it), ``--log-level info`` shows the
+worker's decisions, and the output's suffix (or --format) picks how results are written."""
 
 from __future__ import annotations
 
@@ -8,11 +9,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, run_mlxq
+from helpers import run_mlxq, start_until
 
 ENV = {k: v for k, v in os.environ.items() if k != "MLXQ_REDIS_URL"}  # an embedded Valkey
 
@@ -53,35 +53,17 @@ def test_an_interrupted_run_says_how_to_get_the_rest(tmp_path, tiny_model, sig):
     src = _write(
         tmp_path / "in.jsonl", [{"prompt": f"p{i}", "max_tokens": 1500} for i in range(40)]
     )
-    out, few = tmp_path / "out.jsonl", ["--max-batch", "2"]
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlxq",
-            "run",
-            str(src),
-            "--model",
-            tiny_model,
-            "-o",
-            str(out),
-            *few,
-        ],
-        cwd=ROOT,
-        env=ENV,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if line.startswith("running "):
-            break
+    out, few = tmp_path / "out.jsonl", ["--max-batch", "2", "--data-dir", str(tmp_path / "d")]
+    args = ("run", str(src), "--model", tiny_model, "-o", str(out), *few)
+    proc, _ = start_until(args, ENV, "^running ", subprocess.DEVNULL)
     proc.send_signal(sig)
+    assert proc.stderr is not None
     err = proc.stderr.read()
     assert proc.wait(240) == 1, err
     last = err.strip().splitlines()[-1]
-    assert "requests are not done yet" in last and "run the command again" in last, err
-    assert "--wait" not in err and "Traceback" not in err
+    assert last.startswith("mlxq: error: interrupted with "), err
+    assert "not done; run the same command again to resume" in last, err
+    assert "--wait" not in err and "Traceback" not in err and not out.exists()
 
 
 def test_log_level_info_shows_the_workers_decisions(tmp_path, tiny_model):

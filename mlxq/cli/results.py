@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -109,11 +109,13 @@ def _queue_tps(conn: redis.Redis, queue: str) -> float:
 # -- writing results ---------------------------------------------------------------------
 @dataclass
 class OutputFormat:
-    """How results are written: mlxq's own lines, or OpenAI Batch output + error lines."""
+    """How results are written: mlxq's own lines, OpenAI Batch output + error lines, or a
+    CSV/Parquet table (``kind`` in ``TABLE_FORMATS``)."""
 
     kind: str = "mlxq"
     endpoint: str = "/v1/chat/completions"
     errors: str | None = None  # openai: where error lines go (default: beside the output)
+    with_input: bool = False  # tables: add the input row's columns
 
     def line(self, result: Result) -> tuple[bool, str]:
         """(is_error_line, JSON text) of one result."""
@@ -175,6 +177,87 @@ def _same_or_open(path: str, output: str, out: TextIO) -> Iterator[TextIO]:
             yield f
 
 
+# Output suffixes that name a format; any other suffix gets JSONL lines, with a note.
+SUFFIX_FORMATS = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
+JSONL_SUFFIXES = ("", ".jsonl", ".json", ".ndjson")
+
+OUTPUT_HELP = (
+    "Where to write the results; its suffix picks the format unless --format does: .csv or "
+    ".parquet a table, anything else JSONL lines (a suffix other than .jsonl/.json/.ndjson "
+    "gets a note)."
+)
+
+
+def output_options(f: Callable) -> Callable:
+    """``--format``, ``--endpoint``, ``--errors`` and ``--with-input``, as ``mlxq results``
+    and ``mlxq run`` take them (read with :func:`output_format`)."""
+    options = [
+        click.option(
+            "--format",
+            "fmt",
+            type=click.Choice(["mlxq", "openai", *TABLE_FORMATS]),
+            help="mlxq result lines, OpenAI Batch output lines (failed requests go to an "
+            "errors file, as OpenAI's error_file), or a CSV/Parquet table (one row per "
+            "request) [default: from the output's suffix; mlxq lines on stdout].",
+        ),
+        click.option(
+            "--endpoint",
+            type=click.Choice(ENDPOINTS),
+            default=ENDPOINTS[0],
+            show_default=True,
+            help="With --format openai: the response body shape.",
+        ),
+        click.option(
+            "--errors",
+            type=click.Path(dir_okay=False, allow_dash=True),
+            help="With --format openai: where error lines go [default: OUTPUT_errors.jsonl].",
+        ),
+        click.option(
+            "--with-input", is_flag=True, help="With csv/parquet: add the input row's columns."
+        ),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def output_format(
+    output: str, fmt: str | None, endpoint: str, errors: str | None, with_input: bool
+) -> OutputFormat:
+    """The format to write ``output`` in: ``fmt`` if given, else the one its suffix names
+    (JSONL lines for stdout and other suffixes, noting the latter). Exits 1 on options that
+    do not fit it, before anything runs."""
+    suffix = "" if output == "-" else Path(output).suffix.lower()
+    kind = fmt or SUFFIX_FORMATS.get(suffix, "mlxq")
+    if fmt is None and kind == "mlxq" and suffix not in JSONL_SUFFIXES:
+        click.echo(
+            f"note: writing JSONL lines to {output} ({suffix!r} names no format; "
+            "name it .jsonl, .csv or .parquet, or pass --format)",
+            err=True,
+        )
+    if with_input and kind not in TABLE_FORMATS:
+        fail("--with-input applies to --format csv or parquet (or an output named .csv/.parquet)")
+    if errors and kind != "openai":
+        fail("--errors applies to --format openai")
+    if kind == "parquet" and output == "-":
+        fail("--format parquet needs a file: give -o FILE.parquet")
+    return OutputFormat(kind, endpoint, errors, with_input)
+
+
+def write_output(conn: redis.Redis, batch_id: str, output: str, fmt: OutputFormat) -> None:
+    """Write the batch's results in ``fmt`` (lines or a table), in input order; fails if
+    some requests are not done."""
+    if fmt.kind in TABLE_FORMATS:
+        emit_table(conn, batch_id, output, fmt.kind, fmt.with_input)
+    else:
+        emit_results(conn, batch_id, output, fmt)
+
+
+def errors_at(output: str, fmt: OutputFormat) -> str:
+    """Where failed requests' lines are written."""
+    return (fmt.errors or _errors_path(output)) if fmt.kind == "openai" else output
+
+
 # -- the results and status commands -----------------------------------------------------
 @click.command()
 @click.argument("batch_id")
@@ -184,37 +267,16 @@ def _same_or_open(path: str, output: str, out: TextIO) -> Iterator[TextIO]:
     default="-",
     type=click.Path(dir_okay=False, allow_dash=True),
     show_default=True,
-    help="Where to write the JSONL results.",
+    help=OUTPUT_HELP,
 )
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(["mlxq", "openai", *TABLE_FORMATS]),
-    default="mlxq",
-    show_default=True,
-    help="mlxq result lines, OpenAI Batch output lines (failed requests go to an "
-    "errors file, as OpenAI's error_file), or a CSV/Parquet table (one row per request).",
-)
-@click.option(
-    "--endpoint",
-    type=click.Choice(ENDPOINTS),
-    default=ENDPOINTS[0],
-    show_default=True,
-    help="With --format openai: the response body shape.",
-)
-@click.option(
-    "--errors",
-    type=click.Path(dir_okay=False, allow_dash=True),
-    help="With --format openai: where error lines go [default: OUTPUT_errors.jsonl].",
-)
-@click.option("--with-input", is_flag=True, help="With csv/parquet: add the input row's columns.")
+@output_options
 @click.option("--wait", is_flag=True, help="Wait for the batch to finish, with a progress bar.")
 @click.option("--timeout", type=float, help="With --wait: give up after this many seconds.")
 @redis_option
 def results(
     batch_id: str,
     output: str,
-    fmt: str,
+    fmt: str | None,
     endpoint: str,
     errors: str | None,
     with_input: bool,
@@ -223,20 +285,15 @@ def results(
     redis_url: str,
 ) -> None:
     """Write a batch's results, one line (or table row) per request in input order."""
-    if with_input and fmt not in TABLE_FORMATS:
-        fail("--with-input applies to --format csv or parquet")
+    out_fmt = output_format(output, fmt, endpoint, errors, with_input)
     conn = connect(redis_url)
     try:
         waited = wait_with_progress(conn, batch_id, timeout) if wait else None
-        if fmt in TABLE_FORMATS:
-            emit_table(conn, batch_id, output, fmt, with_input)
-        else:
-            emit_results(conn, batch_id, output, OutputFormat(fmt, endpoint, errors))
+        write_output(conn, batch_id, output, out_fmt)
     except q.BatchNotFound as e:
         fail(str(e))
     if waited is not None:
-        errors_at = (errors or _errors_path(output)) if fmt == "openai" else output
-        fail_on_failures(conn, waited, errors_at)
+        fail_on_failures(conn, waited, errors_at(output, out_fmt))
 
 
 @click.command()

@@ -1,13 +1,14 @@
 """``mlxq run``: run a file through a model on this machine, on an embedded Valkey unless a
-Redis is given."""
+Redis is given; interrupted, it resumes when run again (see :mod:`mlxq.cli.run_state`)."""
 
 from __future__ import annotations
 
-import contextlib
 import re
+import signal
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -15,7 +16,22 @@ import msgspec
 
 from mlxq.broker import batches as q
 from mlxq.broker import keys
-from mlxq.cli.results import emit_results
+from mlxq.cli.results import (
+    OUTPUT_HELP,
+    OutputFormat,
+    errors_at,
+    fail_on_failures,
+    output_format,
+    output_options,
+    write_output,
+)
+from mlxq.cli.run_state import (
+    RUN_QUEUE_PREFIX,
+    RunPlace,
+    default_folder,
+    find_unfinished,
+    run_server,
+)
 from mlxq.cli.server import stop_on_sigterm
 from mlxq.cli.submit import read_file
 from mlxq.cli.support import connect, fail, progress_bar
@@ -23,13 +39,15 @@ from mlxq.cli.tables import input_options
 from mlxq.cli.worker import STALLED_EXIT, setup_logging, worker_options, worker_profile
 from mlxq.formats.openai_output import is_success
 from mlxq.formats.tables import InputOptions
-from mlxq.wire import Result, json_encoder
+from mlxq.wire import BatchInfo, Request, Result, json_encoder
 
 if TYPE_CHECKING:  # (the worker's modules load MLX: imported where a run needs them)
     import redis
 
     from mlxq.worker.launch import Setup
     from mlxq.worker.profile import WorkerProfile
+
+RESUME = "run the same command again to resume"
 
 
 @click.command()
@@ -40,10 +58,25 @@ if TYPE_CHECKING:  # (the worker's modules load MLX: imported where a run needs 
     "--output",
     required=True,
     type=click.Path(dir_okay=False, allow_dash=True),
-    help="Where to write the JSONL results.",
+    help=OUTPUT_HELP,
 )
+@output_options
 @click.option("--skip-invalid", is_flag=True, help="Run the valid lines and report the rest.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary when done.")
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where the embedded Valkey keeps the batch, so an interrupted run resumes "
+    "[default: a folder for this input and model under ~/.mlxq/run, removed once the "
+    "output is written].",
+)
+@click.option(
+    "--resume/--no-resume",
+    default=True,
+    show_default=True,
+    help="Continue an unfinished run of the same requests and --model (same --data-dir or "
+    "--redis-url): what it finished is not run again.",
+)
 @click.option(
     "--redis-url",
     envvar=keys.ENV_REDIS_URL,
@@ -57,90 +90,138 @@ def run(
     log_level: str,
     log_format: str,
     output: str,
+    fmt: str | None,
+    endpoint: str,
+    errors: str | None,
+    with_input: bool,
     skip_invalid: bool,
     as_json: bool,
+    data_dir: Path | None,
+    resume: bool,
     redis_url: str | None,
     inputs: InputOptions,
     **settings: Any,
 ) -> None:
     """Run a JSONL FILE (or a CSV/Parquet table, see `mlxq submit`) through a model on this
-    machine and write the results.
+    machine and write the results to OUTPUT, in input order.
 
-    With no --redis-url (or MLXQ_REDIS_URL) it starts an embedded Valkey, submits the
-    batch, serves it with an in-process worker, writes OUTPUT and stops the server.
+    With no --redis-url (or MLXQ_REDIS_URL) it starts an embedded Valkey (persisting to
+    --data-dir), submits the batch, serves it with an in-process worker, writes OUTPUT and
+    stops the server. Ctrl-C (or SIGTERM) stops taking requests and finishes the running
+    ones (a second Ctrl-C puts them back at once); run the same command again to resume.
     """
-    from mlxq.server import embedded
-    from mlxq.worker.launch import Setup
-
     # A progress bar shows the run; per-job log lines would drown it, unless asked for.
     source = click.get_current_context().get_parameter_source("log_level")
     if source is click.core.ParameterSource.DEFAULT:
         log_level = "WARNING"
     setup_logging(log_level, log_format)
     stop_on_sigterm()
+    if data_dir is not None and redis_url:
+        fail("--data-dir is for the embedded server; with --redis-url the batch stays there")
+    out_fmt = output_format(output, fmt, endpoint, errors, with_input)
     prof = worker_profile(profile, **settings)
     parsed = read_file(file, skip_invalid, inputs)
+    digest = q.requests_digest(parsed.requests)
+    own = default_folder(file, digest, prof.model or "")
+    where = f" (what is done is kept in {data_dir or own})" if not redis_url else ""
+    try:
+        with run_server(redis_url, data_dir, own) as place:
+            _run(place, prof, file, parsed.requests, resume, log_level, output, out_fmt, as_json)
+    except KeyboardInterrupt:  # outside the worker: loading, submitting, writing
+        click.echo("", err=True)
+        fail(f"interrupted; {RESUME}{where}")
+
+
+def _run(
+    place: RunPlace,
+    prof: WorkerProfile,
+    file: str,
+    requests: list[Request],
+    resume: bool,
+    log_level: str,
+    output: str,
+    out_fmt: OutputFormat,
+    as_json: bool,
+) -> None:
+    """Submit (or resume) the batch, serve it, and write its results."""
+    from mlxq.worker.launch import Setup
+
+    conn = connect(place.url, writes_jobs=True)
+    model = prof.model or ""
+    digest = q.requests_digest(requests)
+    found = find_unfinished(conn, digest, model, complete_too=place.own_folder) if resume else None
+    if found is not None:
+        done = q.batch_status(conn, found.batch_id).done
+        click.echo(
+            f"resuming batch {found.batch_id}: {done} of {found.total} requests were done "
+            f"before ({place.kept()})",
+            err=True,
+        )
     # The model loads before the batch exists: a model that cannot load leaves nothing.
-    setup = Setup(prof)
+    setup = Setup(prof, conn)
     click.echo(f"loading {prof.model}", err=True)
     setup.start()
     engine = setup.runner.engine
     assert engine is not None
     before = engine.stats()  # the warmup's work is not the run's
-    server = contextlib.nullcontext(redis_url) if redis_url else embedded()
-    with server as url:
-        conn = connect(url, writes_jobs=True)
-        batch_id = q.new_batch_id()
-        queue_name = f"run-{batch_id}"  # private: this run's worker drains exactly this batch
-        q.submit(
-            conn,
-            parsed.requests,
-            queue=queue_name,
-            batch_id=batch_id,
-            source=file,
-            model=prof.model,
-        )
-        start = time.monotonic()
-        tokens = _serve(prof, conn, queue_name, batch_id, len(parsed.requests), setup, log_level)
-        s = q.batch_status(conn, batch_id)
-        elapsed = time.monotonic() - start
-        work = engine.stats().since(before)
-        click.echo(
-            f"{s.finished} finished, {s.failed} failed in {elapsed:.1f}s: "
-            f"{tokens / max(elapsed, 1e-9):,.0f} generated tok/s "
-            f"(prefill {work.prefill_seconds:.1f}s, decode {work.decode_seconds:.1f}s)",
-            err=True,
-        )
-        unfinished = _unfinished_hint(redis_url, queue_name, batch_id, prof.model, output)
-        emit_results(conn, batch_id, output, unfinished=unfinished)
-        failures = _failures(conn, batch_id) if s.failed else None
-    if as_json:  # a summary for scripts, after the results are safely written
-        summary = {
-            "batch_id": batch_id,
-            "total": s.total,
-            "finished": s.finished,
-            "failed": s.failed,
-            "generated_tokens": tokens,
-            "seconds": round(elapsed, 3),
-            "output": output,
-            # Where the time went: prefill and decode, steps and calls (see EngineStats).
-            "engine": msgspec.to_builtins(work),
-        }
-        click.echo(json_encoder.encode(summary).decode())
-    if failures:
-        fail(f"{s.failed} of {s.total} requests failed: {failures} (error lines in {output})")
-
-
-def _unfinished_hint(
-    redis_url: str | None, queue: str, batch_id: str, model: str, output: str
-) -> str:
-    """How to get the requests an interrupted run left undone."""
-    if redis_url is None:  # the private server stops with the run: nothing stays queued
-        return "the run was interrupted and its embedded server is gone: run the command again"
-    return (
-        f"they stay queued on {queue!r}: `mlxq worker --model {model} -q {queue} --burst` "
-        f"runs them, then `mlxq results {batch_id} -o {output}` writes them all"
+    info = _batch(conn, found, requests, file, model)
+    done_before = q.batch_status(conn, info.batch_id).done
+    start = time.monotonic()
+    ran, tokens = _serve(prof, conn, info, done_before, setup, log_level)
+    s = q.batch_status(conn, info.batch_id)
+    elapsed = time.monotonic() - start
+    work = engine.stats().since(before)
+    click.echo(
+        f"{s.finished} finished, {s.failed} failed in {elapsed:.1f}s: "
+        f"{tokens / max(elapsed, 1e-9):,.0f} generated tok/s "
+        f"(prefill {work.prefill_seconds:.1f}s, decode {work.decode_seconds:.1f}s)",
+        err=True,
     )
+    summary = {
+        "batch_id": info.batch_id,
+        "total": s.total,
+        "finished": s.finished,
+        "failed": s.failed,
+        "done_before": done_before,  # by an earlier, interrupted run
+        "ran": ran,  # requests this run generated
+        "generated_tokens": tokens,
+        "seconds": round(elapsed, 3),
+        "output": output,
+        # Where the time went: prefill and decode, steps and calls (see EngineStats).
+        "engine": msgspec.to_builtins(work),
+    }
+    if s.done < s.total:
+        _echo_summary(summary, as_json)
+        fail(
+            f"interrupted with {s.total - s.done} of {s.total} requests not done; {RESUME} "
+            f"(what is done is kept {place.kept()})"
+        )
+    write_output(conn, info.batch_id, output, out_fmt)
+    place.complete = True
+    _echo_summary(summary, as_json)  # for scripts, after the results are safely written
+    fail_on_failures(conn, s, errors_at(output, out_fmt))
+
+
+def _echo_summary(summary: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        click.echo(json_encoder.encode(summary).decode())
+
+
+def _batch(
+    conn: redis.Redis, found: BatchInfo | None, requests: list[Request], file: str, model: str
+) -> BatchInfo:
+    """The batch to serve: ``found`` (its submit finished if it was cut short), or a new
+    one on a private queue (this run's worker drains exactly this batch)."""
+    if found is None:
+        batch_id = q.new_batch_id()
+        queue = f"{RUN_QUEUE_PREFIX}{batch_id}"
+        return q.submit(conn, requests, queue=queue, batch_id=batch_id, source=file, model=model)
+    if found.state != "submitting":
+        return found
+    try:
+        return q.resume(conn, found.batch_id, requests)[0]
+    except (q.BatchNotFound, q.ResumeRefused, q.BatchCancelled) as e:
+        fail(str(e))
 
 
 def _failures(conn: redis.Redis, batch_id: str, most: int = 3) -> str:
@@ -167,24 +248,27 @@ def _clip(text: str, width: int = 240) -> str:
 def _serve(
     prof: WorkerProfile,
     conn: redis.Redis,
-    queue_name: str,
-    batch_id: str,
-    total: int,
+    info: BatchInfo,
+    done_before: int,
     setup: Setup,
     log_level: str,
-) -> int:
-    """Drain this run's queue with an in-process burst worker behind a progress bar (its
-    label: generated tok/s so far); the tokens generated. A stalled engine exits with
-    ``STALLED_EXIT``, naming the batch."""
+) -> tuple[int, int]:
+    """Drain the batch's queue with an in-process burst worker behind a progress bar (its
+    label: generated tok/s so far); the requests and tokens this run generated. A signal
+    stops the worker as `mlxq worker` stops (no new jobs; running ones finish, or go back
+    at a second signal). A stalled engine exits with ``STALLED_EXIT``."""
     from mlxq.worker.launch import run_worker
     from mlxq.worker.watchdog import EngineStalled
 
-    start, tokens = time.monotonic(), [0]
+    start, ran, tokens = time.monotonic(), [0], [0]
+    left = info.total - done_before
     try:
-        click.echo(f"running {total} requests on {prof.model} (batch {batch_id})", err=True)
-        with progress_bar(total, "generating") as bar:
+        click.echo(f"running {left} requests on {prof.model} (batch {info.batch_id})", err=True)
+        with progress_bar(info.total, "generating") as bar:
+            bar.update(done_before)
 
             def on_finish(result: Result) -> None:
+                ran[0] += 1
                 tokens[0] += result.usage.completion_tokens
                 if sys.stderr.isatty():  # a changing label reprints the line when piped
                     rate = tokens[0] / (time.monotonic() - start)
@@ -195,13 +279,16 @@ def _serve(
                 prof,
                 conn,
                 burst=True,
-                queues=[queue_name],
+                queues=[info.queue],
                 on_finish=on_finish,
                 log_level=log_level,
                 setup=setup,
             )
     except EngineStalled as e:
-        fail(f"engine stalled: {e}; rerun (the batch is {batch_id})", code=STALLED_EXIT)
-    except KeyboardInterrupt:  # before the worker took over Ctrl-C and SIGTERM, or after
-        click.echo("interrupted", err=True)
-    return tokens[0]
+        fail(f"engine stalled: {e}; {RESUME}", code=STALLED_EXIT)
+    except KeyboardInterrupt:  # before the worker took over Ctrl-C and SIGTERM
+        click.echo("", err=True)
+    finally:  # the worker's handlers only set flags: a signal from now on interrupts
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        stop_on_sigterm()
+    return ran[0], tokens[0]
