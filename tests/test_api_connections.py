@@ -102,7 +102,7 @@ def test_a_head_sent_a_byte_at_a_time_is_cut_off(api_port):
         assert time.monotonic() - started < CLOSED_WITHIN
 
 
-def test_hundreds_of_idle_connections_do_not_stop_the_server(valkey_url, tmp_path):
+def test_hundreds_of_idle_connections_do_not_stop_the_server(valkey_url, conn, tmp_path):
     """300 idle connections against 256 descriptors: the ones past the cap are answered
     503 at once, the rest are closed after the read timeout, and a real client is served
     (after retries on 503) without the server ever running out of descriptors."""
@@ -116,7 +116,7 @@ def test_hundreds_of_idle_connections_do_not_stop_the_server(valkey_url, tmp_pat
                 max_retries=10,
                 timeout=CLOSED_WITHIN,
             )
-            assert client.models.list().data == []
+            assert client.models.list().data == []  # (conn: a flushed server)
             answers = [_read_all(sock) for sock in socks]
         finally:
             for sock in socks:
