@@ -51,3 +51,16 @@ def test_the_engine_counts_its_mask_helper_and_its_waits_for_it(engine: SlotEngi
     assert work.token_wait_seconds > 0.0 and work.sample_launch_seconds > 0.0
     waits = work.token_wait_seconds + work.sample_launch_seconds
     assert waits + work.launch_seconds <= work.decode_seconds
+
+
+def test_each_sample_follows_its_own_constraint(engine: SlotEngine) -> None:
+    """A job of several sampled samples under one schema: a matcher per sample, every
+    choice conforms, and the samples differ."""
+    schema, sampled = base.SCHEMA, {"temperature": 1.0, "top_p": 0.95, "seed": 4}
+    request = base.Request(prompt="Person:", max_tokens=150, response_format=schema, n=3, **sampled)
+    c = base.run_jobs(engine, {"job": request})["job"]
+    assert c.error is None and len(c.choices) == 3
+    for choice in c.choices:
+        assert choice.finish_reason == "stop", choice.text
+        base.stopped_outputs_conform(request, choice)
+    assert len({ch.text for ch in c.choices}) > 1
