@@ -160,3 +160,26 @@ def test_no_resume_starts_anew(tmp_path, tiny_model):
     summary = json.loads(fresh.stdout)
     assert summary["batch_id"] != batch_id and summary["ran"] == N
     assert "resuming" not in fresh.stderr
+
+
+def test_a_killed_run_resumes_with_what_its_worker_held(tmp_path, tiny_model):
+    """SIGKILL (an OOM kill): no handler runs, the worker's jobs stay registered to it. The
+    rerun takes them back at once (no other worker of its own server can live) and ends
+    with every request done once, in order."""
+    src, out, data = _inputs(tmp_path, 1500), tmp_path / "out.jsonl", tmp_path / "data"
+    args = [str(src), "--model", tiny_model, "-o", str(out), *FEW]
+    args += ["--data-dir", str(data), "--json"]
+    proc, batch_id = _start(args, ENV)
+    _wait_done(_server_of(data), batch_id, 2, proc)
+    proc.kill()
+    proc.communicate(timeout=60)
+    deadline = time.monotonic() + 30
+    while not _lock_is_free(data):  # its Valkey goes with it
+        assert time.monotonic() < deadline, "the killed run's Valkey still holds the folder"
+        time.sleep(0.1)
+    again = run_mlxq("run", *args, env=ENV)
+    assert again.returncode == 0, again.stderr
+    second = json.loads(again.stdout)
+    assert second["batch_id"] == batch_id and second["ran"] == N - second["done_before"]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["custom_id"] for r in rows] == [f"r{i}" for i in range(N)]

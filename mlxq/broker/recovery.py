@@ -44,19 +44,20 @@ def abandons_key(job_id: str) -> str:
     return f"{keys.PREFIX}:abandons:{job_id}"
 
 
-def requeue_stranded(queue: Queue, grace_s: float) -> list[str]:
+def requeue_stranded(queue: Queue, grace_s: float, at_once: bool = False) -> list[str]:
     """Put back every job left in ``queue``'s intermediate queue, unregistered, for at least
-    ``grace_s`` seconds (from the first sweep that saw it); returns their ids."""
+    ``grace_s`` seconds (from the first sweep that saw it); returns their ids. ``at_once``:
+    every one now, for a caller that knows no worker of the queue lives."""
     conn = queue.connection
     moved = []
     for raw in conn.lrange(queue.intermediate_queue_key, 0, -1):
         job_id = raw.decode() if isinstance(raw, bytes) else raw
-        if _requeue_stranded_one(queue, job_id, grace_s):
+        if _requeue_stranded_one(queue, job_id, grace_s, at_once):
             moved.append(job_id)
     return moved
 
 
-def _requeue_stranded_one(queue: Queue, job_id: str, grace_s: float) -> bool:
+def _requeue_stranded_one(queue: Queue, job_id: str, grace_s: float, at_once: bool) -> bool:
     conn = queue.connection
     with conn.pipeline() as pipe:
         try:
@@ -73,12 +74,12 @@ def _requeue_stranded_one(queue: Queue, job_id: str, grace_s: float) -> bool:
             if status not in (b"queued", None):
                 return False  # registered meanwhile, or another writer's business
             seen = pipe.get(keys.stranded(job_id))
-            if seen is None:
+            if seen is None and not at_once:
                 # Outlives any grace (abandon_after is at most an hour); a mark left by a
                 # race with the job's registration just expires.
                 pipe.set(keys.stranded(job_id), time.time(), ex=max(2 * 3600, 2 * int(grace_s)))
                 return False
-            if status is not None and time.time() - float(seen) < grace_s:
+            if status is not None and not at_once and time.time() - float(seen) < grace_s:
                 return False
             pipe.multi()
             transitions.requeue_stranded_one(pipe, queue, job_id, requeue=status is not None)
@@ -92,12 +93,17 @@ def _requeue_stranded_one(queue: Queue, job_id: str, grace_s: float) -> bool:
     return status is not None
 
 
-def requeue_abandoned(queue: Queue, max_abandons: int = MAX_ABANDONS) -> list[str]:
-    """Put back every job of ``queue`` whose worker stopped heartbeating; returns their ids."""
+def requeue_abandoned(
+    queue: Queue, max_abandons: int = MAX_ABANDONS, all_started: bool = False
+) -> list[str]:
+    """Put back every job of ``queue`` whose worker stopped heartbeating; returns their ids.
+    ``all_started``: every running job, for a caller that knows no worker of the queue
+    lives (``mlxq run`` resuming on its own embedded server)."""
     conn = queue.connection
     registry = queue.started_job_registry
     moved = []
-    for member in conn.zrangebyscore(registry.key, 0, current_timestamp()):
+    until = "+inf" if all_started else current_timestamp()
+    for member in conn.zrangebyscore(registry.key, 0, until):
         member = member.decode() if isinstance(member, bytes) else member
         job_id, execution_id = parse_composite_key(member)
         if _requeue_one(queue, registry.key, member, job_id, execution_id, max_abandons):

@@ -16,7 +16,7 @@ import msgspec
 import redis
 
 from mlxq.broker import batches as q
-from mlxq.broker import fleet, unaccounted
+from mlxq.broker import failures, fleet, unaccounted
 from mlxq.cli.fleet import print_queue_overview
 from mlxq.cli.support import connect, fail, progress_bar, redis_option
 from mlxq.cli.tables import emit_table
@@ -89,13 +89,25 @@ def fail_on_failures(conn: redis.Redis, status: BatchStatus, output: str | None)
     """Exit 1, with the commonest reasons, if some of a waited-on batch's requests failed."""
     if not status.failed:
         return
-    from mlxq.cli.run import _failures  # (run imports this module: imported when needed)
-
     where = f"error lines in {output}" if output and output != "-" else "their results say why"
     fail(
         f"{status.failed} of {status.total} requests failed: "
-        f"{_failures(conn, status.batch_id)} ({where})"
+        f"{failure_line(conn, status.batch_id)} ({where})"
     )
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def failure_line(conn: redis.Redis, batch_id: str, width: int = 240) -> str:
+    """The batch's failure reasons in one line, the commonest first: ``2x reason; 1x other``
+    (reasons that differ only in their numbers count as one; ``failures``)."""
+    summary = failures.failure_reasons(conn, batch_id)
+    listed = [f"{r.count}x {_clip(r.message, width)}" for r in summary.reasons]
+    if summary.others:
+        listed.append(f"and {summary.others} more")
+    return "; ".join(listed)
 
 
 def _queue_tps(conn: redis.Redis, queue: str) -> float:

@@ -3,11 +3,9 @@ Redis is given; interrupted, it resumes when run again (see :mod:`mlxq.cli.run_s
 
 from __future__ import annotations
 
-import re
 import signal
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +35,6 @@ from mlxq.cli.submit import read_file
 from mlxq.cli.support import connect, fail, progress_bar
 from mlxq.cli.tables import input_options
 from mlxq.cli.worker import STALLED_EXIT, setup_logging, worker_options, worker_profile
-from mlxq.formats.openai_output import is_success
 from mlxq.formats.tables import InputOptions
 from mlxq.wire import BatchInfo, Request, Result, json_encoder
 
@@ -132,6 +129,16 @@ def run(
         fail(f"interrupted; {RESUME}{where}")
 
 
+def take_back(conn: redis.Redis, queue: str) -> None:
+    """Put back at once what an earlier run's worker held (killed, it could not): the data
+    folder's lock means no other worker of this embedded server lives."""
+    from mlxq.broker.recovery import requeue_abandoned, requeue_stranded
+
+    rq_queue = q.make_queue(conn, queue)
+    requeue_abandoned(rq_queue, all_started=True)
+    requeue_stranded(rq_queue, 0, at_once=True)
+
+
 def _run(
     place: RunPlace,
     prof: WorkerProfile,
@@ -151,6 +158,8 @@ def _run(
     digest = q.requests_digest(requests)
     found = find_unfinished(conn, digest, model, complete_too=place.own_folder) if resume else None
     if found is not None:
+        if place.folder is not None:
+            take_back(conn, found.queue)
         done = q.batch_status(conn, found.batch_id).done
         click.echo(
             f"resuming batch {found.batch_id}: {done} of {found.total} requests were done "
@@ -222,27 +231,6 @@ def _batch(
         return q.resume(conn, found.batch_id, requests)[0]
     except (q.BatchNotFound, q.ResumeRefused, q.BatchCancelled) as e:
         fail(str(e))
-
-
-def _failures(conn: redis.Redis, batch_id: str, most: int = 3) -> str:
-    """The failed requests' reasons, the commonest first: ``2x reason; 1x other``. Reasons
-    that differ only in their numbers count as one (the first one is shown)."""
-    kinds: Counter[str] = Counter()
-    shown: dict[str, str] = {}
-    for r in q.iter_batch_results(conn, batch_id):
-        if r is not None and not is_success(r):
-            reason = r.error or r.finish_reason
-            kind = re.sub(r"\d+", "#", reason)
-            kinds[kind] += 1
-            shown.setdefault(kind, reason)
-    listed = [f"{n}x {_clip(shown[kind])}" for kind, n in kinds.most_common(most)]
-    if len(kinds) > most:
-        listed.append(f"and {len(kinds) - most} other reasons")
-    return "; ".join(listed)
-
-
-def _clip(text: str, width: int = 240) -> str:
-    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _serve(
