@@ -404,3 +404,15 @@ def test_n_is_a_default_and_a_field_of_jsonl_lines(tmp_path):
         bad = tmp_path / "bad.jsonl"
         bad.write_text('{"prompt": "a", "n": 2, "stream": true}\n')
         read_input(str(bad), InputOptions())
+
+
+def test_csv_cells_with_carriage_returns_and_newlines_read_back_as_one_row_each():
+    """Generated text holds bare \r, \n and quotes (random weights produce any byte): each
+    result is still one CSV row, as any CSV reader splits them."""
+    from mlxq.formats.table_output import write_csv
+
+    texts = ["a\rb", "c\nd", 'e"f', "g\r\nh", "plain"]
+    out = io.StringIO(newline="")
+    write_csv(out, ["i", "text"], ({"i": i, "text": t} for i, t in enumerate(texts)))
+    rows = list(csv.DictReader(io.StringIO(out.getvalue(), newline="")))
+    assert [r["text"] for r in rows] == texts

@@ -128,7 +128,7 @@ def rows_without_input(results: Iterable[Result]) -> int:
 
 def write_csv(out: IO[str], columns: list[str], rows: Iterable[dict]) -> None:
     """CSV with a header; None is an empty cell, lists and objects are JSON."""
-    writer = csv.DictWriter(out, fieldnames=columns, extrasaction="raise", lineterminator="\n")
+    writer = csv.DictWriter(out, fieldnames=columns, extrasaction="raise", lineterminator="\r\n")
     writer.writeheader()
     for row in rows:
         writer.writerow({k: _csv_cell(v) for k, v in row.items()})
