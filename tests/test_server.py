@@ -153,8 +153,21 @@ def test_a_sigkilled_run_leaves_no_valkey(tmp_path, tiny_model):
     prompts = tmp_path / "in.jsonl"
     prompts.write_text('{"prompt": "Once upon a time", "max_tokens": 4000}\n' * 64)
     out = str(tmp_path / "out.jsonl")
+    data = str(tmp_path / "data")  # not a folder under ~/.mlxq/run
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlxq", "run", str(prompts), "--model", tiny_model, "-o", out],
+        [
+            sys.executable,
+            "-m",
+            "mlxq",
+            "run",
+            str(prompts),
+            "--model",
+            tiny_model,
+            "-o",
+            out,
+            "--data-dir",
+            data,
+        ],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
