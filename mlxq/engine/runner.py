@@ -44,6 +44,11 @@ class _Cancel:
     key: str
 
 
+@dataclass
+class _Withdraw:
+    reply: queue.Queue[list[str]]  # gets the keys of the jobs taken back
+
+
 class Runner:
     """Runs a :class:`BatchEngine` on its own thread with scheduler-driven admission."""
 
@@ -93,6 +98,18 @@ class Runner:
     def cancel(self, key: str) -> None:
         """Stop a job at the next step; its Completion says ``cancelled``."""
         self._inbox.put(_Cancel(key))
+
+    def withdraw_pending(self, timeout: float = 10.0) -> list[str]:
+        """Take back every job handed over but not admitted into the batch yet (a stopping
+        worker puts them back on their queues rather than run them); their keys. Jobs
+        submitted before this call are among them; an MLX thread that does not answer
+        within ``timeout`` seconds (a long step) keeps them all."""
+        reply: queue.Queue[list[str]] = queue.Queue(maxsize=1)
+        self._inbox.put(_Withdraw(reply))
+        try:
+            return reply.get(timeout=timeout)
+        except queue.Empty:
+            return []
 
     def completions(self, timeout: float = 0.0) -> list[Completion]:
         """Finished jobs, waiting up to ``timeout`` seconds for the first one."""
@@ -173,6 +190,9 @@ class Runner:
         while item is not None:
             if isinstance(item, _Cancel):
                 self._cancel(item.key)
+            elif isinstance(item, _Withdraw):
+                item.reply.put([w.job.key for w in self._pending])
+                self._pending.clear()
             else:
                 order = admission_order([len(w.tokens) for w in item])
                 self._pending.extend(item[i] for i in order)

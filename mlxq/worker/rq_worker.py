@@ -33,7 +33,7 @@ from mlxq.worker.outage import WRITE_REFUSALS, Outage, ServerWatch, refuses_writ
 from mlxq.worker.outcomes import InFlight, build_result
 from mlxq.worker.profile import DEFAULTS, STALL_TIMEOUT_S
 from mlxq.worker.reporting import Reporter
-from mlxq.worker.stopping import release_all
+from mlxq.worker.stopping import release, release_all
 from mlxq.worker.taking import IDLE_PULL_TIMEOUT_S, JobIntake
 from mlxq.worker.watchdog import EngineStalled
 from mlxq.worker.writeback import MAX_RESULT_BYTES, Failure, ResultLimit, Writeback, result_limit
@@ -281,7 +281,9 @@ class MlxqWorker(JobIntake, BaseWorker):
 
     # -- stopping ------------------------------------------------------------------------
     def _wind_down(self) -> None:
-        """Finish in-flight jobs within the grace period (a second signal cuts it short)."""
+        """Finish the running jobs within the grace period (a second signal cuts it short);
+        jobs pulled but not yet in the batch go back on their queues at once."""
+        release(self, self.inflight, self.runner.withdraw_pending(), self.runner)
         deadline = time.monotonic() + self.grace_period
         while (self.inflight or self.owed) and not self._force_stop and time.monotonic() < deadline:
             try:

@@ -17,7 +17,22 @@ def release_all(
 ) -> None:
     """Put every job still held back on its queue (emptying ``inflight``), and log any
     ended jobs whose results never reached Redis."""
-    for key, inf in list(inflight.items()):
+    release(worker, inflight, list(inflight), runner)
+    if owed:
+        worker.log.error(
+            "Worker %s: exiting with %d results unwritten (Redis unreachable or refusing "
+            "writes); their jobs are run again once their heartbeats lapse",
+            worker.name,
+            len(owed),
+        )
+
+
+def release(worker: BaseWorker, inflight: dict[str, InFlight], keys: list[str], runner: Runner):
+    """Put the held jobs ``keys`` back at the front of their queues (out of ``inflight``)."""
+    for key in keys:
+        inf = inflight.get(key)
+        if inf is None:
+            continue
         runner.cancel(key)
         try:
             with worker.connection.pipeline() as pipe:
@@ -33,10 +48,3 @@ def release_all(
                 e,
             )
         del inflight[key]
-    if owed:
-        worker.log.error(
-            "Worker %s: exiting with %d results unwritten (Redis unreachable or refusing "
-            "writes); their jobs are run again once their heartbeats lapse",
-            worker.name,
-            len(owed),
-        )
