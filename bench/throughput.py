@@ -13,6 +13,9 @@ Modes (all greedy, all forced to generate ``max_tokens``: EOS ids are switched o
   prefix cache (row ``mlxq+prefix``); its prompt tok/s is effective: the requests'
   prompt tokens over the engine's prefill time.
 
+``--batch 256,512,auto`` runs ``raw`` and the mlxq modes at each batch size, side by side
+on one workload, with a sweep table (:mod:`throughput_sweep`).
+
 Usage: ``python bench/throughput.py --preset llama-3.2-1b --workload all``
 (see bench/README.md). Writes nothing unless ``--json PATH`` is given.
 """

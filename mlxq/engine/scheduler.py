@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 #   9.0k, and memory holds ~300 of its 2,048-token jobs anyway. 1,024: the widest measured.
 # - metal: not measured; an Apple GPU has ~1/6 an H200's bandwidth and far less compute,
 #   so its steps turn compute-bound at fewer rows: one doubling past the old 256.
-# - cpu: measured here (bench/throughput.py --batch sweep, tiny and cpu-small presets,
-#   bench/README.md): a step is compute-bound from few rows, SEE_CPU_FIGURES.
-BATCH_CEILING = {"cpu": 64, "metal": 512, "cuda": 1024}
+# - cpu: measured on a 2-core Xeon (bench/README.md, "Batch sweeps"): the cpu-small preset,
+#   varied outputs, 1,024 requests, gained 1.32x from 16 to 128 rows, then 1.02x to 256
+#   and 1.05x more to 512 (noise on that shared machine is larger) while each step took
+#   1.5x and 2.2x as long: 128.
+BATCH_CEILING = {"cpu": 128, "metal": 512, "cuda": 1024}
 # The slot engine's rows when the automatic batch is narrower: its join pacing (a share of
 # its rows) stays as it was tuned.
 ENGINE_ROWS = 256
