@@ -26,6 +26,22 @@ except ImportError:
 import numpy as np
 
 
+def no_repacking() -> None:
+    """Models load without llama.cpp's extra buffer types (weights repacked for AMX and
+    other kernels): a GGML_NATIVE build's AMX matmul segfaulted on this machine's CPU
+    (Sapphire Rapids class, in a sandbox). The plain CPU kernels compute the same dot
+    products (Q8-quantized activations against the weights' blocks)."""
+    low = llama_cpp.llama_cpp
+    default = low.llama_model_default_params
+
+    def params() -> Any:
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    low.llama_model_default_params = params
+
+
 def top2(logits: np.ndarray) -> list[list[float]]:
     """``[[id, logit], [id, logit]]``, best first."""
     best = np.argpartition(logits, -2)[-2:]
@@ -35,6 +51,8 @@ def top2(logits: np.ndarray) -> list[list[float]]:
 
 def generate(req: dict[str, Any]) -> dict[str, Any]:
     """Greedy continuations of each prompt, stopping after an EOS id or max_tokens."""
+    if not req.get("repack", False):
+        no_repacking()
     longest = max(len(p) for p in req["prompts"]) + req["max_tokens"] + 1
     llm = llama_cpp.Llama(
         model_path=req["model"],
@@ -51,8 +69,9 @@ def generate(req: dict[str, Any]) -> dict[str, Any]:
         llm.eval(prompt)
         tokens, tops = [], []
         for _ in range(req["max_tokens"]):
-            # With logits_all off, eval keeps the logits of its last position only.
-            logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+            # With logits_all off llama.cpp computes (and Llama.eval keeps) no other rows.
+            last = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+            logits = np.ctypeslib.as_array(last, shape=(llm.n_vocab(),)).copy()
             tops.append(top2(logits))
             tokens.append(tops[-1][0][0])
             if tokens[-1] in eos:
