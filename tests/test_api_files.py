@@ -1,10 +1,11 @@
-"""``mlxq api``'s files, API keys and upload limits, and the command's refusals, through
-the official ``openai`` client and raw HTTP."""
+"""``mlxq api``'s files (and their listing), API keys and upload limits, and the command's
+refusals, through the official ``openai`` client and raw HTTP."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -12,18 +13,22 @@ from typing import Any
 import openai
 import pytest
 from api_servers import (
+    ADMIN_KEY,
     KEY,
     MAX_LINES,
     MAX_UPLOAD,
     OTHER_KEY,
     api_client,
     completion_line,
+    create,
     jsonl,
     upload,
+    wait_final,
 )
 from click.testing import CliRunner
 
 from mlxq.api import api_command
+from mlxq.api import redis_keys as rk
 
 
 def test_files_round_trip(client, conn):
@@ -36,6 +41,48 @@ def test_files_round_trip(client, conn):
     assert client.files.delete(created.id).deleted is True
     with pytest.raises(openai.NotFoundError, match="No such File"):
         client.files.retrieve(created.id)
+
+
+def test_files_list_pages_filters_and_keeps_tenants_apart(client, ports, conn):
+    other, admin = api_client(ports[0], OTHER_KEY), api_client(ports[1], ADMIN_KEY)
+    ids = [upload(client, [completion_line(f"r{i}", "Hi")]) for i in range(5)]
+    theirs = upload(other, [completion_line("t", "Hi")])
+    page = client.files.list(limit=2)
+    assert [f.id for f in page.data] == ids[::-1][:2] and page.has_more
+    assert [f.id for f in client.files.list(limit=2)] == ids[::-1]  # auto-pagination
+    raw = client.files.with_raw_response.list(limit=2, after=ids[3]).http_response.json()
+    assert (raw["object"], [f["id"] for f in raw["data"]]) == ("list", [ids[2], ids[1]])
+    assert (raw["first_id"], raw["last_id"], raw["has_more"]) == (ids[2], ids[1], True)
+    oldest = client.files.list(order="asc", limit=3, after=ids[1])
+    assert [f.id for f in oldest.data] == ids[2:] and oldest.has_more is False
+    assert [f.id for f in client.files.list()] == ids[::-1]  # default limit: all of them
+    assert [f.id for f in other.files.list()] == [theirs]
+    assert {f.id for f in admin.files.list()} == {*ids, theirs}
+    with pytest.raises(openai.BadRequestError, match="No such File"):
+        other.files.list(after=ids[0])
+    for bad in ({"limit": 0}, {"limit": 10_001}, {"order": "newest"}):
+        with pytest.raises(openai.BadRequestError, match=next(iter(bad))):
+            client.files.list(**bad)  # type: ignore[arg-type]
+    client.files.delete(ids[4])
+    assert [f.id for f in client.files.list(limit=1).data] == [ids[3]]
+
+
+def test_files_list_by_purpose_skips_and_prunes_expired_files(client, conn):
+    batch = create(client, upload(client, [completion_line("a", "Hi")]))
+    client.batches.cancel(batch.id)
+    error_file = wait_final(client, batch.id).error_file_id
+    assert error_file is not None
+    listed = client.files.list(purpose="batch_output")
+    assert [(f.id, f.purpose) for f in listed] == [(error_file, "batch_output")]
+    assert listed.data[0].expires_at is not None
+    assert [f.id for f in client.files.list(purpose="batch")] == [batch.input_file_id]
+    conn.pexpire(rk.file_record(error_file), 1)  # as it will, 30 days on
+    conn.pexpire(rk.file_content(error_file), 1)
+    while conn.exists(rk.file_record(error_file)):
+        time.sleep(0.01)
+    assert client.files.list(purpose="batch_output").data == []
+    assert [f.id for f in client.files.list()] == [batch.input_file_id]
+    assert conn.zscore(rk.files(), error_file) is None  # pruned
 
 
 def test_api_keys_are_required(ports, conn):

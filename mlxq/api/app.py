@@ -6,10 +6,11 @@ of its own: request bodies are validated with msgspec like the rest of mlxq, so 
 (which FastAPI would bring) has nothing to do here. Every handler is async and runs its
 Redis work in Starlette's thread pool, since mlxq's queue code uses the sync Redis client.
 
-Routes: ``POST /v1/files``, ``GET /v1/files/{id}``, ``GET /v1/files/{id}/content``,
-``DELETE /v1/files/{id}``, ``POST /v1/batches``, ``GET /v1/batches``,
-``GET /v1/batches/{id}``, ``POST /v1/batches/{id}/cancel``, ``GET /v1/models``. All of
-them need a bearer API key unless the app is made without keys (loopback only).
+Routes: ``POST /v1/files``, ``GET /v1/files``, ``GET /v1/files/{id}``,
+``GET /v1/files/{id}/content``, ``DELETE /v1/files/{id}``, ``POST /v1/batches``,
+``GET /v1/batches``, ``GET /v1/batches/{id}``, ``POST /v1/batches/{id}/cancel``,
+``GET /v1/models``, ``GET /v1/models/{id}``. All of them need a bearer API key unless the
+app is made without keys (loopback only).
 """
 
 from __future__ import annotations
@@ -107,6 +108,36 @@ async def upload_file(request: Request) -> Response:
     return _json(record)
 
 
+async def list_files(request: Request) -> Response:
+    params = request.query_params
+    order = params.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"Invalid order {order!r}: give 'asc' or 'desc'", param="order")
+    files, has_more = await run_in_threadpool(
+        store.list_files,
+        _conn(request),
+        tenant=_tenant(request),
+        purpose=params.get("purpose") or None,
+        after=params.get("after") or None,
+        limit=_limit(params.get("limit"), default=10_000, most=10_000),
+        desc=order == "desc",
+    )
+    return _list(files, has_more)
+
+
+def _list(data: list[Any], has_more: bool) -> Response:
+    """OpenAI's cursor page, which the ``openai`` client pages through by ``after``."""
+    return _json(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0].id if data else None,
+            "last_id": data[-1].id if data else None,
+            "has_more": has_more,
+        }
+    )
+
+
 async def get_file(request: Request) -> Response:
     conn, tenant = _conn(request), _tenant(request)
     return _json(await run_in_threadpool(store.get_file, conn, _id(request), tenant))
@@ -185,20 +216,11 @@ def _refresh_quietly(conn: redis.Redis, batch_id: str) -> None:
 
 async def list_batches(request: Request) -> Response:
     after = request.query_params.get("after") or None
-    limit = _limit(request.query_params.get("limit"))
+    limit = _limit(request.query_params.get("limit"), default=20, most=100)
     states, has_more = await run_in_threadpool(
         _listed, _conn(request), _tenant(request), after, limit
     )
-    data = [s.batch for s in states]
-    return _json(
-        {
-            "object": "list",
-            "data": data,
-            "first_id": data[0].id if data else None,
-            "last_id": data[-1].id if data else None,
-            "has_more": has_more,
-        }
-    )
+    return _list([s.batch for s in states], has_more)
 
 
 def _listed(
@@ -211,11 +233,11 @@ def _listed(
     return fresh, has_more
 
 
-def _limit(raw: str | None) -> int:
+def _limit(raw: str | None, *, default: int, most: int) -> int:
     if raw is None:
-        return 20
-    if not raw.isdigit() or not 1 <= int(raw) <= 100:
-        raise bad_request(f"Invalid limit {raw!r}: give an integer from 1 to 100", param="limit")
+        return default
+    if not raw.isdigit() or not 1 <= int(raw) <= most:
+        raise bad_request(f"Invalid limit {raw!r}: give an integer from 1 to {most}", param="limit")
     return int(raw)
 
 
@@ -231,6 +253,7 @@ async def get_models(request: Request) -> Response:
 
 ROUTES = [
     Route("/v1/files", upload_file, methods=["POST"]),
+    Route("/v1/files", list_files, methods=["GET"]),
     Route("/v1/files/{id}", get_file, methods=["GET"]),
     Route("/v1/files/{id}", delete_file, methods=["DELETE"]),
     Route("/v1/files/{id}/content", get_file_content, methods=["GET"]),

@@ -32,6 +32,17 @@ def file_owner(file_id: str) -> str:
     return f"{PREFIX}:file:{file_id}:owner"
 
 
+def files() -> str:
+    """Sorted set of every file id scored by creation time (for ``GET /v1/files``). It never
+    expires, as input files do not; ids whose record expired are pruned as listings meet them."""
+    return f"{PREFIX}:files"
+
+
+def owner_files(owner: str) -> str:
+    """Sorted set of one tenant's file ids scored by creation time."""
+    return f"{PREFIX}:owner:{owner}:files"
+
+
 def batch_record(batch_id: str) -> str:
     """JSON ``BatchState`` of a batch: the OpenAI object plus what mlxq needs to run it."""
     return f"{PREFIX}:batch:{batch_id}"

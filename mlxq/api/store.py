@@ -1,10 +1,10 @@
 """Files and batch records of the API, kept in Redis (keys in :mod:`mlxq.api.redis_keys`).
 
-A file is two string keys: its JSON ``FileObject`` and its bytes. A batch is one JSON
-``BatchState``, indexed by creation time for listing and, until it reaches a final state,
-in a set of active batches. Every change to a batch record is a compare-and-set
-(``WATCH``/``MULTI``), so API processes sharing the Redis never overwrite each other's
-transitions.
+A file is two string keys: its JSON ``FileObject`` and its bytes, indexed by creation time
+for listing. A batch is one JSON ``BatchState``, indexed by creation time for listing and,
+until it reaches a final state, in a set of active batches. Every change to a batch record
+is a compare-and-set (``WATCH``/``MULTI``), so API processes sharing the Redis never
+overwrite each other's transitions.
 
 Each file and batch records the tenant that made it (``owner``); the reads that take a
 ``tenant`` answer 404 for another tenant's objects, as for objects that do not exist. An
@@ -18,6 +18,8 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import redis
 from redis.exceptions import LockError, WatchError
@@ -75,8 +77,15 @@ def put_file(
         pipe.set(rk.file_record(record.id), encoder.encode(record), ex=ttl)
         if owner is not None:
             pipe.set(rk.file_owner(record.id), owner, ex=ttl)
+        for index in _file_indexes(owner):
+            # Scored by the exact time, so files made in the same second keep their order.
+            pipe.zadd(index, {record.id: time.time()})
         pipe.execute()
     return record
+
+
+def _file_indexes(owner: str | None) -> list[str]:
+    return [rk.files()] + ([rk.owner_files(owner)] if owner else [])
 
 
 def get_file(conn: redis.Redis, file_id: str, tenant: Tenant | None) -> FileObject:
@@ -92,9 +101,37 @@ def get_file_content(conn: redis.Redis, file_id: str, tenant: Tenant | None) -> 
 def delete_file(conn: redis.Redis, file_id: str, tenant: Tenant | None) -> None:
     """Delete a file, or raise a 404 ``ApiError`` if there is none (for this tenant)."""
     _file_part(conn, file_id, tenant, rk.file_record)
+    owner = conn.get(rk.file_owner(file_id))
     keys = (rk.file_record(file_id), rk.file_content(file_id), rk.file_owner(file_id))
-    if not conn.delete(*keys):
+    with conn.pipeline() as pipe:
+        pipe.delete(*keys)
+        for index in _file_indexes(owner.decode() if owner else None):
+            pipe.zrem(index, file_id)
+        deleted = pipe.execute()[0]
+    if not deleted:
         raise not_found("File", file_id)
+
+
+def list_files(
+    conn: redis.Redis,
+    *,
+    tenant: Tenant | None,
+    purpose: str | None,
+    after: str | None,
+    limit: int,
+    desc: bool,
+) -> tuple[list[FileObject], bool]:
+    """Up to ``limit`` of the files ``tenant`` sees (of ``purpose``, if given), newest first
+    if ``desc``, after the file ``after``; and whether more follow."""
+    return _page(
+        conn,
+        Listing("File", rk.files(), rk.owner_files, rk.file_record, file_decoder.decode),
+        tenant,
+        after=after,
+        limit=limit,
+        desc=desc,
+        keep=(lambda f: f.purpose == purpose) if purpose else None,
+    )
 
 
 def _file_part(
@@ -173,23 +210,71 @@ def list_batches(
 ) -> tuple[list[BatchState], bool]:
     """Up to ``limit`` of the batches ``tenant`` sees, newest first, after the batch
     ``after``; and whether more follow."""
-    own = tenant is not None and not tenant.admin
-    index = rk.owner_batches(tenant.owner) if tenant is not None and own else rk.batches()
+    listing = Listing(
+        "Batch", rk.batches(), rk.owner_batches, rk.batch_record, state_decoder.decode
+    )
+    return _page(conn, listing, tenant, after=after, limit=limit, desc=True)
+
+
+# -- listing ------------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+# Records read per round trip while listing (a filter may skip most of them).
+_LIST_CHUNK = 1000
+
+
+@dataclass(frozen=True)
+class Listing(Generic[T]):
+    """What a listing reads: its objects' kind (for errors), the index of everyone's ids
+    and of one owner's, the key of an id's record and the record's decoder."""
+
+    kind: str
+    everyone: str
+    owner_index: Callable[[str], str]
+    record_key: Callable[[str], str]
+    decode: Callable[[bytes], T]
+
+    def index(self, tenant: Tenant | None) -> str:
+        """The index ``tenant`` lists: its own, or everyone's for admins and no-auth."""
+        return self.everyone if tenant is None or tenant.admin else self.owner_index(tenant.owner)
+
+
+def _page(
+    conn: redis.Redis,
+    listing: Listing[T],
+    tenant: Tenant | None,
+    *,
+    after: str | None,
+    limit: int,
+    desc: bool,
+    keep: Callable[[T], bool] | None = None,
+) -> tuple[list[T], bool]:
+    """Up to ``limit`` records of the ids ``tenant`` sees (by score, descending if ``desc``)
+    that come after ``after`` and that ``keep`` keeps; and whether more follow. Ids whose
+    record expired are skipped and removed from the indexes."""
+    index = listing.index(tenant)
     start = 0
     if after:
-        rank = conn.zrevrank(index, after)
+        rank = conn.zrevrank(index, after) if desc else conn.zrank(index, after)
         if rank is None:
-            raise bad_request(f"No such Batch object: {after}", param="after")
+            raise bad_request(f"No such {listing.kind} object: {after}", param="after")
         start = rank + 1
-    found: list[BatchState] = []
+    read = conn.zrevrange if desc else conn.zrange
+    found: list[T] = []
     while len(found) <= limit:
-        want = limit + 1 - len(found)
-        ids = [i.decode() for i in conn.zrevrange(index, start, start + want - 1)]
+        want = min(limit + 1 - len(found), _LIST_CHUNK) if keep is None else _LIST_CHUNK
+        ids = [i.decode() for i in read(index, start, start + want - 1)]
         if not ids:
             break
-        start += len(ids)
-        raws = conn.mget([rk.batch_record(i) for i in ids])
-        found.extend(state_decoder.decode(raw) for raw in raws if raw is not None)
+        raws = conn.mget([listing.record_key(i) for i in ids])
+        gone = [i for i, raw in zip(ids, raws, strict=True) if raw is None]
+        if gone:
+            conn.zrem(index, *gone)
+            conn.zrem(listing.everyone, *gone)
+        start += len(ids) - len(gone)  # the ranks after them moved up by as many
+        records = (listing.decode(raw) for raw in raws if raw is not None)
+        found.extend(r for r in records if keep is None or keep(r))
     return found[:limit], len(found) > limit
 
 
