@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,19 +82,29 @@ def llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
+Blocks = Callable[[str, tuple[int, ...]], tuple[np.ndarray, Q | None]]
+
+
 def gguf_names() -> dict[str, str]:
-    """mlx-lm name -> llama.cpp name, for the tiny llama's tensors."""
+    """mlx-lm name -> llama.cpp name, for the tiny llama's and cpu-small's tensors."""
     names = {f"{v}": k for k, v in gguf_model.TOP_NAMES.items()}
-    for layer in range(2):
+    for layer in range(4):
         for short, long in gguf_model.LAYER_NAMES.items():
             names[f"model.layers.{layer}.{long}"] = f"blk.{layer}.{short}"
     return names
 
 
-def write_tiny_gguf(path: Path, kind: Q = Q.F32, arch: str = "llama") -> tuple[Any, dict]:
-    """The tiny llama (random weights, seed 0) written as llama.cpp writes a GGUF: its
-    names, q/k rows permuted, 2-D weights as ``kind``; the model and its config."""
-    model, config = build_model("tiny")
+def write_tiny_gguf(
+    path: Path,
+    kind: Q = Q.F32,
+    arch: str = "llama",
+    blocks: Blocks | None = None,
+    preset: str = "tiny",
+) -> tuple[Any, dict]:
+    """The tiny llama (or ``preset``; random weights, seed 0) written as llama.cpp writes a
+    GGUF: its names, q/k rows permuted, 2-D weights as ``kind`` (or as ``blocks`` makes them
+    from the GGUF name and shape: data and its type, None for float); the model, its config."""
+    model, config = build_model(preset)
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -124,7 +135,10 @@ def write_tiny_gguf(path: Path, kind: Q = Q.F32, arch: str = "llama") -> tuple[A
             w = llama_permute(w, config["num_attention_heads"])
         elif layer.endswith("k_proj"):
             w = llama_permute(w, config["num_key_value_heads"])
-        if w.ndim == 2 and kind != Q.F32:
+        if w.ndim == 2 and blocks is not None:
+            data, raw = blocks(f"{names[layer]}.{suffix}", w.shape)
+            writer.add_tensor(f"{names[layer]}.{suffix}", data, raw_dtype=raw)
+        elif w.ndim == 2 and kind != Q.F32:
             writer.add_tensor(f"{names[layer]}.{suffix}", quantize(w, kind), raw_dtype=kind)
         else:
             writer.add_tensor(f"{names[layer]}.{suffix}", w)
@@ -206,3 +220,74 @@ def test_a_gguf_model_queue_is_its_file_stem() -> None:
         "SmolLM2-135M-Instruct.Q4_1"
     )
     assert queue_name_for_model("SmolLM2-135M-Instruct.Q4_1") == "SmolLM2-135M-Instruct.Q4_1"
+
+
+# llama.cpp's Q4_K_M: Q4_K, with Q6_K for the output and for attn_v and ffn_down in some
+# layers (here layer 0), and its fallbacks where a row is not a multiple of 256 (Q5_0 for
+# Q4_K, Q8_0 for Q6_K; here attn_output and token_embd stand for them).
+Q4_K_M = {"attn_output": Q.Q5_0, "token_embd": Q.Q8_0, "output": Q.Q6_K}
+# The largest float16 scale each type gets, so that weights stay under ~0.5.
+SCALE_TOP = {Q.Q4_K: 5e-4, Q.Q6_K: 1e-4, Q.Q5_0: 0.02, Q.Q8_0: 3e-3}
+
+
+def q4_k_m_kind(name: str) -> Q:
+    parts = name.split(".")
+    if parts[0] == "blk" and parts[1] == "0" and parts[2] in ("attn_v", "ffn_down"):
+        return Q.Q6_K
+    return Q4_K_M.get(parts[-2], Q.Q4_K)
+
+
+def small_blocks(kind: Q, rows: int, cols: int) -> np.ndarray:
+    """:func:`random_blocks` with their float16 scales cut to :data:`SCALE_TOP`."""
+    raw = random_blocks(kind, rows, cols)
+    blocks = raw.reshape(rows, -1, EXACT[kind][0] if kind in EXACT else BLOCK_BYTES[kind])
+    at, count = F16_FIELDS.get(kind, (0, 2))
+    field = np.ascontiguousarray(blocks[..., at : at + 2 * count]).view(np.float16)
+    smaller = (field.astype(np.float32) * (SCALE_TOP[kind] / 0.05)).astype(np.float16)
+    blocks[..., at : at + 2 * count] = smaller.view(np.uint8)
+    return raw
+
+
+def test_a_q4_k_m_shaped_file_loads_per_layer_in_mlx_layouts_near_the_file_size(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Types mixed per tensor as llama.cpp's Q4_K_M mixes them: each layer keeps its own
+    bits and group size, the weights take under 1.15x the file's bytes, and the logits are
+    those of an F32 file of the same dequantized values."""
+
+    def mixed(name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, Q | None]:
+        return small_blocks(q4_k_m_kind(name), *shape), q4_k_m_kind(name)
+
+    def as_f32(name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, Q | None]:
+        data, kind = mixed(name, shape)
+        return dequantize(data, kind).reshape(shape), None
+
+    paths = {"mixed": tmp_path / "tiny-q4km.gguf", "f32": tmp_path / "tiny-f32.gguf"}
+    # cpu-small: rows of 256 and 768 values, whole K-quant super-blocks
+    write_tiny_gguf(paths["mixed"], blocks=mixed, preset="cpu-small")
+    write_tiny_gguf(paths["f32"], blocks=as_f32, preset="cpu-small")
+    with caplog.at_level(logging.INFO, logger="mlxq.engine"):
+        folders = {k: resolve_model(str(p)) for k, p in paths.items()}
+    for line in ("Q4_K kept as 4-bit g32", "Q5_0 kept as 5-bit g32", "Q8_0 kept as 8-bit g32"):
+        assert line in caplog.text
+    assert "Q6_K re-quantized as 8-bit g64" in caplog.text and "float16" not in caplog.text
+    model, _ = mlx_lm.load(str(folders["mixed"]))
+    reference, _ = mlx_lm.load(str(folders["f32"]))
+    layers = model.model.layers
+    layouts = {
+        "v0": (layers[0].self_attn.v_proj.bits, layers[0].self_attn.v_proj.group_size),
+        "v1": (layers[1].self_attn.v_proj.bits, layers[1].self_attn.v_proj.group_size),
+        "o": (layers[1].self_attn.o_proj.bits, layers[1].self_attn.o_proj.group_size),
+        "embed": (model.model.embed_tokens.bits, model.model.embed_tokens.group_size),
+    }
+    assert layouts == {"v0": (8, 64), "v1": (4, 32), "o": (5, 32), "embed": (8, 32)}
+    from gguf import GGUFReader
+
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(paths["mixed"])).tensors)
+    held = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    assert held <= 1.15 * file_bytes, held / file_bytes
+    tokens = mx.array([[BOS_ID, 5, 17, 99, 300, 42]])
+    ours, want = model(tokens), reference(tokens)
+    # Q4_K's scale d*sc rounds to float16 and Q6_K is re-quantized to 8 bits: close, not equal.
+    err = mx.abs(ours - want).max().item()
+    assert err <= 0.02 * mx.abs(want).max().item(), err
