@@ -9,11 +9,14 @@ import threading
 import time
 from typing import Any
 
+import msgspec
 import uvicorn
 from openai import OpenAI
 
 from mlxq.api.app import ApiSettings, create_app
 from mlxq.api.serving import ConnectionLimits, server_options
+from mlxq.broker import keys
+from mlxq.wire import WorkerInfo
 from mlxq.worker.launch import run_worker
 from mlxq.worker.profile import WorkerProfile
 
@@ -28,9 +31,17 @@ FINAL = {"completed", "failed", "cancelled", "expired"}
 # -- servers and clients ------------------------------------------------------------------
 
 
-def serve(valkey_url: str, sweep_interval: float) -> tuple[uvicorn.Server, threading.Thread, int]:
-    """An API server on a free port, started on a thread: (server, thread, port)."""
+def serve(
+    valkey_url: str, sweep_interval: float, allow_unserved_models: bool = True
+) -> tuple[uvicorn.Server, threading.Thread, int]:
+    """An API server on a free port, started on a thread: (server, thread, port).
+
+    It queues batches for models no live worker serves unless told otherwise: most tests
+    create their batches first and run the worker after (``test_api_models.py`` tests the
+    default, which fails them).
+    """
     settings = ApiSettings(
+        allow_unserved_models=allow_unserved_models,
         redis_url=valkey_url,
         api_keys=[KEY, OTHER_KEY, ADMIN_KEY],
         admin_keys=[ADMIN_KEY],
@@ -107,3 +118,15 @@ def read_jsonl(client: OpenAI, file_id: str) -> dict[str, dict]:
 
 def run_tiny_worker(tiny_model: str, conn) -> None:
     run_worker(WorkerProfile(model=tiny_model, max_batch=4), conn, burst=True, queues=[MODEL])
+
+
+def publish_worker(conn, name: str, model: str, queues: list[str]) -> None:
+    """The record a live worker of ``model`` on ``queues`` publishes (no process behind it:
+    it stays live until its key is deleted)."""
+    required = WorkerInfo.__struct_fields__[: -len(WorkerInfo.__struct_defaults__) or None]
+    fields: dict[str, Any] = dict.fromkeys(required, 0)
+    fields.update(name=name, host="h", model=model, queues=queues, backend="cpu")
+    fields.update(device="cpu", started_at=time.time(), heartbeat_at=time.time())
+    fields.update(recent_tps=0.0)
+    conn.set(keys.worker_info(name), msgspec.json.encode(WorkerInfo(**fields)))
+    conn.sadd(keys.workers(), name)

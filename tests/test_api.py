@@ -9,7 +9,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import msgspec
 import openai
 import pytest
 from api_servers import (
@@ -19,6 +18,7 @@ from api_servers import (
     chat_line,
     completion_line,
     create,
+    publish_worker,
     read_jsonl,
     run_tiny_worker,
     upload,
@@ -27,7 +27,6 @@ from api_servers import (
 
 from mlxq.api import redis_keys as rk
 from mlxq.broker import keys
-from mlxq.wire import WorkerInfo
 
 # -- the whole flow -----------------------------------------------------------------------
 
@@ -232,18 +231,10 @@ def test_list_batches_paginates_newest_first(client, conn):
 
 
 def test_models_lists_what_live_workers_serve(client, conn):
-    def info(name: str, model: str) -> bytes:
-        required = WorkerInfo.__struct_fields__[: -len(WorkerInfo.__struct_defaults__) or None]
-        fields: dict[str, Any] = dict.fromkeys(required, 0)
-        fields.update(name=name, host="h", model=model, queues=[MODEL], backend="cpu")
-        fields.update(device="cpu", started_at=time.time(), heartbeat_at=time.time())
-        fields.update(recent_tps=0.0)
-        return msgspec.json.encode(WorkerInfo(**fields))
-
-    conn.set(keys.worker_info("w1"), info("w1", "mlx-community/Foo-4bit"))
-    conn.set(keys.worker_info("w2"), info("w2", "mlx-community/Foo-4bit"))
-    conn.set(keys.worker_info("w3"), info("w3", "tiny"))
-    conn.sadd(keys.workers(), "w1", "w2", "w3", "gone")  # "gone": its info expired
+    publish_worker(conn, "w1", "mlx-community/Foo-4bit", [MODEL])
+    publish_worker(conn, "w2", "mlx-community/Foo-4bit", [MODEL])
+    publish_worker(conn, "w3", "tiny", [MODEL])
+    conn.sadd(keys.workers(), "gone")  # "gone": its info expired
     models = client.models.list()
     assert [m.id for m in models] == ["mlx-community/Foo-4bit", "tiny"]
     assert all(m.owned_by == "mlxq" for m in models)

@@ -28,7 +28,7 @@ import redis
 from mlxq.api import batches, store
 from mlxq.api.auth import TENANT, AuthMiddleware, KeyChecker, Tenant, owner_of
 from mlxq.api.errors import ApiError, bad_request, decode_body
-from mlxq.api.models import list_models
+from mlxq.api.models import get_model, list_models
 from mlxq.api.objects import FINAL_STATUSES, BatchState, encoder
 from mlxq.api.uploads import DEFAULT_MAX_LINES, DEFAULT_MAX_UPLOAD_BYTES, read_upload
 from mlxq.broker import batches as q
@@ -60,6 +60,9 @@ class ApiSettings:
     max_lines: int = DEFAULT_MAX_LINES
     # Seconds between background refreshes of active batches (0: only on reads).
     sweep_interval: float = DEFAULT_SWEEP_INTERVAL
+    # Queue batches for models no live worker serves (for workers started later) instead
+    # of failing them with model_not_found.
+    allow_unserved_models: bool = False
 
 
 class CreateBatchBody(msgspec.Struct):
@@ -173,6 +176,7 @@ async def create_batch(request: Request) -> Response:
         completion_window=body.completion_window,
         metadata=body.metadata,
         max_lines=_settings(request).max_lines,
+        allow_unserved=_settings(request).allow_unserved_models,
     )
     return _json(state.batch)
 
@@ -249,6 +253,10 @@ async def get_models(request: Request) -> Response:
     return _json({"object": "list", "data": models})
 
 
+async def get_model_by_id(request: Request) -> Response:
+    return _json(await run_in_threadpool(get_model, _conn(request), _id(request)))
+
+
 # -- app ----------------------------------------------------------------------------------
 
 ROUTES = [
@@ -262,6 +270,8 @@ ROUTES = [
     Route("/v1/batches/{id}", get_batch, methods=["GET"]),
     Route("/v1/batches/{id}/cancel", cancel_batch, methods=["POST"]),
     Route("/v1/models", get_models, methods=["GET"]),
+    # Hub ids hold a "/" (mlx-community/Foo-4bit): the id is the rest of the path.
+    Route("/v1/models/{id:path}", get_model_by_id, methods=["GET"]),
 ]
 
 

@@ -21,6 +21,7 @@ from mlxq.api import store
 from mlxq.api.auth import Tenant, owner_of
 from mlxq.api.errors import ApiError, bad_request
 from mlxq.api.finalize import finalize
+from mlxq.api.models import unserved_problem
 from mlxq.api.objects import (
     COMPLETION_WINDOWS,
     FINAL_STATUSES,
@@ -32,7 +33,7 @@ from mlxq.api.objects import (
     new_batch_id,
     now,
 )
-from mlxq.api.validation import validate_input
+from mlxq.api.validation import Validated, validate_input
 from mlxq.broker import batches as q
 from mlxq.broker import keys
 from mlxq.formats.openai_input import CHAT_URL, COMPLETIONS_URL
@@ -60,9 +61,11 @@ def create_batch(
     completion_window: str,
     metadata: dict[str, str] | None,
     max_lines: int,
+    allow_unserved: bool = False,
 ) -> BatchState:
     """Validate ``tenant``'s input file and submit its requests as ``tenant``'s batch; the
-    record says how that went."""
+    record says how that went. Unless ``allow_unserved``, a batch for a model that no live
+    worker serves fails validation (it would wait for a worker nobody starts)."""
     _check_params(endpoint, completion_window, metadata)
     file = store.get_file(conn, input_file_id, tenant)
     if file.purpose != "batch":
@@ -86,10 +89,22 @@ def create_batch(
     with store.batch_lock(conn, batch.id):  # a fresh id: always free
         store.create_batch(conn, BatchState(batch=batch, owner=owner_of(tenant)))
         validated = validate_input(content, endpoint, max_lines=max_lines)
+        if not validated.errors and not allow_unserved:
+            validated.errors = _unserved_errors(conn, validated)
         if validated.errors:
             return store.update_batch(conn, batch.id, lambda s: _fail(s, validated.errors))
         _submit(conn, batch.id, validated.requests, validated.model)
     return refresh(conn, batch.id, force=True)  # after the lock: it may finalize
+
+
+def _unserved_errors(conn: redis.Redis, validated: Validated) -> list[BatchError]:
+    """OpenAI's ``model_not_found`` line error when no live worker serves the batch's model
+    (one, on the first line naming it: every line names the same)."""
+    problem = unserved_problem(conn, validated.model)
+    if problem is None:
+        return []
+    param = "body.model" if validated.model is not None else None
+    return [BatchError("model_not_found", problem, param=param, line=validated.model_line)]
 
 
 def _check_params(endpoint: str, window: str, metadata: dict[str, str] | None) -> None:

@@ -15,6 +15,8 @@ from mlxq.api.auth import ENV_ADMIN_KEYS, ENV_API_KEYS, load_key_roles
 from mlxq.cli.support import check_port_free, connect, log_level_option, redis_option
 from mlxq.server import is_loopback
 
+ENV_ALLOW_UNSERVED = "MLXQ_API_ALLOW_UNSERVED_MODELS"
+
 
 def resolve_keys(keys_file: str | None, no_auth: bool, host: str) -> dict[str, bool] | None:
     """The API keys to require (each mapped to whether it is an admin key), or None with
@@ -71,6 +73,13 @@ def resolve_keys(keys_file: str | None, no_auth: bool, host: str) -> dict[str, b
     help="Seconds between background refreshes of active batches (finalize, expire); 0: off.",
 )
 @click.option(
+    "--allow-unserved-models",
+    is_flag=True,
+    envvar=ENV_ALLOW_UNSERVED,
+    help="Queue batches for models no live worker serves (workers started later run them); "
+    f"without it such a batch fails with model_not_found. Env: {ENV_ALLOW_UNSERVED}=1.",
+)
+@click.option(
     "--read-timeout",
     default=serving.DEFAULT_READ_TIMEOUT,
     show_default=True,
@@ -99,6 +108,7 @@ def api_command(
     max_upload_bytes: int,
     max_lines: int,
     sweep_interval: float,
+    allow_unserved_models: bool,
     read_timeout: float,
     keep_alive_timeout: int,
     max_connections: int | None,
@@ -109,7 +119,9 @@ def api_command(
     \b
     Existing OpenAI client code works unchanged but for base_url and api_key:
       OpenAI(base_url="http://HOST:8000/v1", api_key=KEY)
-    Requests run on mlxq workers: the queue is the last part of the lines' `model`.
+    Requests run on mlxq workers: the queue is the last part of the lines' `model`. A
+    batch for a model no live worker serves fails (model_not_found) unless
+    --allow-unserved-models.
     Each key sees only its own files and batches; admin keys see all.
     """
     roles = resolve_keys(keys_file, no_auth, host)
@@ -127,6 +139,7 @@ def api_command(
         max_upload_bytes=max_upload_bytes,
         max_lines=max_lines,
         sweep_interval=sweep_interval,
+        allow_unserved_models=allow_unserved_models,
     )
     conn = connect(redis_url, writes_jobs=True)
     if roles is None:

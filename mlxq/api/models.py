@@ -1,7 +1,10 @@
-"""``GET /v1/models``: the models that live workers serve.
+"""``GET /v1/models`` and ``GET /v1/models/{id}``: the models that live workers serve.
 
 Each worker publishes a :class:`~mlxq.wire.WorkerInfo`, refreshed with its heartbeat and
-expiring when it dies (:func:`mlxq.broker.fleet.live_workers` reads them).
+expiring when it dies (:func:`mlxq.broker.fleet.live_workers` reads them). A name is served
+when a live worker runs that model or takes the name's queue (its last path component, as
+``mlxq submit --model`` picks it), so ``mlx-community/Foo-4bit`` and ``Foo-4bit`` both are
+when a worker runs ``mlx-community/Foo-4bit``. Batches are judged the same way.
 """
 
 from __future__ import annotations
@@ -10,7 +13,9 @@ from typing import Any
 
 import redis
 
-from mlxq.broker import fleet
+from mlxq.api.errors import ApiError
+from mlxq.broker import fleet, keys
+from mlxq.wire import WorkerInfo
 
 
 def list_models(conn: redis.Redis) -> list[dict[str, Any]]:
@@ -18,7 +23,63 @@ def list_models(conn: redis.Redis) -> list[dict[str, Any]]:
     first_seen: dict[str, float] = {}
     for info in fleet.live_workers(conn):
         first_seen[info.model] = min(first_seen.get(info.model, info.started_at), info.started_at)
-    return [
-        {"id": model, "object": "model", "created": int(started), "owned_by": "mlxq"}
-        for model, started in sorted(first_seen.items())
-    ]
+    return [_model(model, started) for model, started in sorted(first_seen.items())]
+
+
+def get_model(conn: redis.Redis, model_id: str) -> dict[str, Any]:
+    """The OpenAI model object of ``model_id`` (a model or queue name) if a live worker
+    serves it, else a 404 ``model_not_found`` that names what is served."""
+    workers = fleet.live_workers(conn)
+    serving = [w for w in workers if serves(w, model_id)]
+    if not serving:
+        raise ApiError(
+            404,
+            f"The model {model_id!r} does not exist here: {_unserved(model_id, workers)}",
+            param="model",
+            code="model_not_found",
+        )
+    return _model(model_id, min(w.started_at for w in serving))
+
+
+def unserved_problem(conn: redis.Redis, model: str | None) -> str | None:
+    """Why requests for ``model`` (None: requests that name none) would wait for a worker
+    that does not exist, or None when a live worker serves them."""
+    workers = fleet.live_workers(conn)
+    if any(serves(w, model) for w in workers):
+        return None
+    return _unserved(model, workers)
+
+
+def serves(worker: WorkerInfo, model: str | None) -> bool:
+    """Whether ``worker`` takes requests for ``model``: it runs that model, or it takes the
+    model's queue (``default`` for requests that name no model)."""
+    return worker.model == model or keys.queue_name_for_model(model) in worker.queues
+
+
+def _unserved(model: str | None, workers: list[WorkerInfo]) -> str:
+    """A line saying that nothing serves ``model``, what is served, and the fixes."""
+    served = _served(workers)
+    if model is None:
+        queue = keys.queue_name_for_model(None)
+        return (
+            f"the requests name no model, so they go to queue {queue!r}, which no live mlxq "
+            f"worker takes; served: {served}; start `mlxq worker --model MODEL -q {queue}` "
+            "or name a served model in body.model"
+        )
+    return (
+        f"model {model!r} is not served by any live mlxq worker; served: {served}; "
+        f"start `mlxq worker --model {model}` or name a served model"
+    )
+
+
+def _served(workers: list[WorkerInfo]) -> str:
+    """The live workers' models, each with its queues where they are not just its own."""
+    names: set[str] = set()
+    for w in workers:
+        own = w.queues == [keys.queue_name_for_model(w.model)]
+        names.add(w.model if own else f"{w.model} (queues {', '.join(w.queues)})")
+    return ", ".join(sorted(names)) or "none (no live worker)"
+
+
+def _model(model_id: str, created: float) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": int(created), "owned_by": "mlxq"}

@@ -32,10 +32,12 @@ _envelope_decoder = msgspec.json.Decoder(_Envelope)
 
 @dataclass
 class Validated:
-    """The outcome of validation: the requests in file order, their model, or the errors."""
+    """The outcome of validation: the requests in file order, their model and the first
+    line that names it (else the first request's), or the errors."""
 
     requests: list[Request] = field(default_factory=list)
     model: str | None = None
+    model_line: int = 1
     errors: list[BatchError] = field(default_factory=list)
 
 
@@ -56,12 +58,12 @@ def validate_input(content: bytes, endpoint: str, *, max_lines: int) -> Validate
         problem = _endpoint_problem(lines[n - 1], endpoint)
         if problem:
             errors.append(BatchError("mismatched_endpoint", problem, param="url", line=n))
-    model, model_errors = _one_model(parsed.requests, parsed.lines)
+    model, model_line, model_errors = _one_model(parsed.requests, parsed.lines)
     errors.extend(model_errors)
     if errors:
         errors.sort(key=lambda e: e.line or 0)
         return Validated(errors=_capped(errors))
-    return Validated(requests=parsed.requests, model=model)
+    return Validated(requests=parsed.requests, model=model, model_line=model_line)
 
 
 def split_lines(content: bytes) -> list[bytes]:
@@ -91,11 +93,14 @@ def _endpoint_problem(raw: bytes, endpoint: str) -> str | None:
     )
 
 
-def _one_model(requests: list[Request], lines: list[int]) -> tuple[str | None, list[BatchError]]:
-    """The model all lines name (in ``body.model`` or ``metadata.model``), and a
-    ``mismatched_model`` error for each line that names another one."""
+def _one_model(
+    requests: list[Request], lines: list[int]
+) -> tuple[str | None, int, list[BatchError]]:
+    """The model all lines name (in ``body.model`` or ``metadata.model``), the first line
+    naming it (else the first line), and a ``mismatched_model`` error for each line that
+    names another one."""
     model: str | None = None
-    first = 0
+    first = lines[0] if lines else 1
     errors = []
     for req, n in zip(requests, lines, strict=True):
         name = req.metadata.get("model")
@@ -113,7 +118,7 @@ def _one_model(requests: list[Request], lines: list[int]) -> tuple[str | None, l
                     line=n,
                 )
             )
-    return model, errors
+    return model, first, errors
 
 
 def _capped(errors: list[BatchError]) -> list[BatchError]:

@@ -1,0 +1,134 @@
+"""``mlxq api`` says which models are served: ``GET /v1/models/{id}`` for a model or queue
+name (hub ids hold a "/"), and a batch for a model no live worker serves fails validation
+with ``model_not_found``, unless ``--allow-unserved-models``: through the official ``openai``
+client, a real ``mlxq worker`` and real ``mlxq api`` processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from api_servers import (
+    CHAT,
+    KEY,
+    api_client,
+    chat_line,
+    create,
+    publish_worker,
+    serve,
+    upload,
+    wait_final,
+)
+from helpers import ROOT, Worker, free_port, wait_for_port
+
+UNSERVED = "gpt-4o-mini"
+
+
+@pytest.fixture(scope="module")
+def strict_port(valkey_url: str) -> Iterator[int]:
+    """An API server as ``mlxq api`` runs by default: unserved models refused."""
+    server, thread, port = serve(valkey_url, sweep_interval=0.2, allow_unserved_models=False)
+    yield port
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture
+def strict(strict_port: int, conn) -> openai.OpenAI:
+    return api_client(strict_port)
+
+
+def _batch_for(client: openai.OpenAI, model: str | None):
+    body = {"model": model} if model else {}
+    lines = [chat_line(f"c{i}", "Hi", **body) for i in range(3)]
+    if model is None:
+        for line in lines:
+            del line["body"]["model"]
+    return create(client, upload(client, lines), CHAT)
+
+
+def _model_not_found(batch) -> str:
+    """The one error of a batch refused for its model: its message."""
+    assert batch.status == "failed" and batch.failed_at is not None, batch
+    [error] = batch.errors.data
+    assert (error.code, error.line) == ("model_not_found", 1)
+    return error.message
+
+
+def test_without_a_live_worker_nothing_is_served(strict, client, conn):
+    with pytest.raises(openai.NotFoundError) as e:
+        strict.models.retrieve(UNSERVED)
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    assert "none (no live worker)" in e.value.body["message"]
+
+    refused = _batch_for(strict, UNSERVED)
+    assert _model_not_found(strict.batches.retrieve(refused.id)) == (
+        f"model {UNSERVED!r} is not served by any live mlxq worker; served: none (no live "
+        f"worker); start `mlxq worker --model {UNSERVED}` or name a served model"
+    )
+    assert refused.errors.data[0].param == "body.model"
+    assert conn.llen(f"rq:queue:{UNSERVED}") == 0
+    no_model = _model_not_found(_batch_for(strict, None))
+    assert "go to queue 'default', which no live mlxq worker takes" in no_model
+    # A server with --allow-unserved-models queues it for a worker started later.
+    queued = _batch_for(client, UNSERVED)
+    assert queued.status == "in_progress" and conn.llen(f"rq:queue:{UNSERVED}") == 3
+
+
+def test_hub_ids_and_their_queue_names_are_served(strict, conn):
+    publish_worker(conn, "w1", "mlx-community/Foo-4bit", ["Foo-4bit"])
+    publish_worker(conn, "w2", "org/Bar", ["fast", "default"])
+    for name in ("mlx-community/Foo-4bit", "Foo-4bit", "org/Bar", "fast"):
+        model = strict.models.retrieve(name)
+        assert (model.id, model.object, model.owned_by) == (name, "model", "mlxq")
+    with pytest.raises(openai.NotFoundError) as e:
+        strict.models.retrieve("mlx-community/Bar")  # a queue, Bar, nobody takes
+    assert "served: mlx-community/Foo-4bit, org/Bar (queues fast, default)" in str(e.value)
+    assert _batch_for(strict, "mlx-community/Foo-4bit").status == "in_progress"
+    assert _batch_for(strict, None).status == "in_progress"  # w2 takes queue default
+    assert conn.llen("rq:queue:Foo-4bit") == 3 and conn.llen("rq:queue:default") == 3
+
+
+def test_a_live_worker_serves_its_model_by_path_and_by_queue(
+    strict, conn, valkey_url, tiny_model, tmp_path
+):
+    worker = Worker(valkey_url, tiny_model, log=tmp_path / "worker.log")
+    try:
+        worker.wait_listening(conn)
+        assert strict.models.retrieve(tiny_model).id == tiny_model  # a path: "/" in the id
+        assert strict.models.retrieve("tiny").id == "tiny"
+        refused = _model_not_found(_batch_for(strict, UNSERVED))
+        assert f"served: {tiny_model} (queues tiny, default);" in refused
+        batch = wait_final(strict, _batch_for(strict, "tiny").id, timeout=120)
+        assert batch.status == "completed" and batch.request_counts.completed == 3
+    finally:
+        worker.stop()
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "status"),
+    [
+        ([], {}, "failed"),
+        (["--allow-unserved-models"], {}, "in_progress"),
+        ([], {"MLXQ_API_ALLOW_UNSERVED_MODELS": "1"}, "in_progress"),
+    ],
+)
+def test_the_command_queues_unserved_models_only_when_allowed(
+    args: list[str], env: dict[str, str], status: str, valkey_url, conn, tmp_path: Path
+):
+    port = free_port()
+    env = {**os.environ, "MLXQ_REDIS_URL": valkey_url, "MLXQ_API_KEYS": KEY, **env}
+    log = (tmp_path / "api.log").open("w")
+    cmd = [sys.executable, "-m", "mlxq", "api", "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=log)
+    try:
+        wait_for_port(port, proc, timeout=60)
+        assert _batch_for(api_client(port), UNSERVED).status == status
+    finally:
+        proc.terminate()
+        proc.wait(30)
