@@ -137,7 +137,7 @@ def load(model: str, weights: str) -> tuple[Any, Any, str]:
 
     loaded, tokenizer = load_model(model, resolve_model(model))
     facts = device_facts()
-    if weights in ("float32", "bfloat16"):  # auto's CPU choices, taken without its timing
+    if weights in ("float32", "bfloat16") and _quantized(loaded):  # auto's CPU choices
         loaded = _dequantize(loaded, getattr(mx, weights), f"--weights {weights}")
     else:
         loaded = prepare_weights(loaded, facts.backend, facts.memory_bytes, weights)
