@@ -107,3 +107,17 @@ def test_context_per_token_counts_the_positions_each_token_attends() -> None:
     assert context_per_token([10], [3]) == 11
     # Same prompts and mean output: the varied outputs' tokens attend longer contexts.
     assert context_per_token([10, 10], [1, 5]) > context_per_token([10, 10], [3, 3])
+
+
+def test_n_samples_runs_each_mode_on_both_cases(tmp_path: Path) -> None:
+    figures = tmp_path / "n.json"
+    run_script(
+        "bench/n_samples.py",
+        *("--preset", "tiny", "--prompts", "6", "--n", "3", "--batch", "6"),
+        *("--prompt-tokens", "40", "--decode-out", "6", "--json", str(figures)),
+    )
+    results = json.loads(figures.read_text())["results"]
+    assert [r["case"] for r in results] == ["prefill", "decode"]
+    for r in results:
+        assert r["same"]  # n samples are the separate submissions' samples, token for token
+        assert all(r[mode]["median_wall_s"] > 0 for mode in ("n", "separate", "separate+prefix"))
