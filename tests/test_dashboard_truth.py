@@ -258,6 +258,9 @@ def test_batch_in_use_never_exceeds_the_batch():
     assert (row.in_batch, row.waiting, row.max_batch, row.in_flight) == (256, 8, 256, 264)
     row = worker_row(make_info("w", in_flight=3, max_batch=256), time.time())
     assert (row.in_batch, row.waiting) == (3, 0)
+    # A worker that says what it decodes: its KV budget admitted 40 of the 72 it holds.
+    row = worker_row(make_info("w", in_flight=72, max_batch=64, decoding=40), time.time())
+    assert (row.in_batch, row.waiting) == (40, 32)
 
 
 def test_token_history_counts_what_each_worker_generated_per_bin():

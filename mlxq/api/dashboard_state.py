@@ -288,10 +288,11 @@ def worker_row(w: WorkerInfo, now: float) -> WorkerRow:
     says so, or a heartbeat older than ``STALL_AFTER_S``.
 
     ``in_flight`` counts the jobs the worker holds, which is up to its batch plus a few
-    prefetched ones: it is split so the page never shows more in use than the batch.
+    prefetched ones: the rows it decodes (``decoding``, where the worker says) are in use,
+    the rest wait, so the page never shows more in use than the batch.
     """
     age = max(0.0, now - w.heartbeat_at)
-    in_batch = min(w.in_flight, w.max_batch)
+    in_batch = min(w.in_flight if w.decoding is None else w.decoding, w.max_batch)
     return WorkerRow(
         name=w.name,
         host=w.host,
@@ -300,7 +301,7 @@ def worker_row(w: WorkerInfo, now: float) -> WorkerRow:
         queues=list(w.queues),
         in_flight=w.in_flight,
         in_batch=in_batch,
-        waiting=w.in_flight - in_batch,
+        waiting=max(0, w.in_flight - in_batch),
         max_batch=w.max_batch,
         kv_used=w.kv_reserved_bytes / w.kv_budget_bytes if w.kv_budget_bytes > 0 else None,
         tokens_per_s=w.recent_tps,

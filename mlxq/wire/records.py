@@ -115,6 +115,9 @@ class WorkerInfo(Struct):
     # itself from what is left.
     memory_claimed_bytes: int = 0
     memory_domain: str = "system"
+    # Batch rows in use now (the scheduler's admitted jobs, a row per sample); ``in_flight``
+    # also counts jobs pulled early that wait for a row. None from older workers.
+    decoding: int | None = None
 
 
 class QueueInfo(Struct):

@@ -101,6 +101,7 @@ class Reporter:
             kv_budget_bytes=scheduler.budget_bytes,
             kv_reserved_bytes=scheduler.reserved_bytes,
             in_flight=in_flight,
+            decoding=scheduler.active,
             jobs_done=self.done,
             jobs_failed=self.failures,
             tokens_generated=self.tokens,
