@@ -82,6 +82,10 @@ def test_fits_alone_explains_context_and_memory_limits():
     assert "context length (512)" in s.fits_alone(500, 100)
     assert "lower max_tokens" in make(budget=100).fits_alone(50, 60)
     assert s.fits_alone(100, 100) is None
+    # n samples hold n rows: a job that fits alone once may not fit n times over
+    one = make(budget=slot_cache_bytes(1, 200, 1))
+    assert one.fits_alone(100, 100) is None
+    assert "lower max_tokens or n" in one.fits_alone(100, 100, rows=4)
 
 
 def test_fetch_count_prefetches_beyond_the_batch():

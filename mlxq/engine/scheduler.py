@@ -186,12 +186,13 @@ class Scheduler:
     _reserved: dict[str, int] = field(default_factory=dict)  # worst-case tokens by job
     _samples: dict[str, int] = field(default_factory=dict)  # rows of jobs of n > 1 samples
 
-    def job_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
-        """Worst-case KV bytes of one job alone."""
-        return slot_cache_bytes(1, prompt_tokens + max_tokens, self.kv_bytes_per_token)
+    def job_bytes(self, prompt_tokens: int, max_tokens: int, rows: int = 1) -> int:
+        """Worst-case KV bytes of one job alone (``rows``: its samples)."""
+        return slot_cache_bytes(rows, prompt_tokens + max_tokens, self.kv_bytes_per_token)
 
-    def fits_alone(self, prompt_tokens: int, max_tokens: int) -> str | None:
-        """None if the job can ever run here, else a message saying why not."""
+    def fits_alone(self, prompt_tokens: int, max_tokens: int, rows: int = 1) -> str | None:
+        """None if the job (of ``rows`` samples) can ever run here, else a message saying
+        why not."""
         total = prompt_tokens + max_tokens
         if total > self.context_length:
             return (
@@ -199,11 +200,12 @@ class Scheduler:
                 f"the model's context length ({self.context_length}); shorten the prompt or "
                 "lower max_tokens"
             )
-        need = self.job_bytes(prompt_tokens, max_tokens)
+        need = self.job_bytes(prompt_tokens, max_tokens, rows)
         if need > self.budget_bytes:
+            fewer = "lower max_tokens or n" if rows > 1 else "lower max_tokens"
             return (
                 f"needs {need / 2**20:.0f} MiB of KV cache but this worker's budget is "
-                f"{self.budget_bytes / 2**20:.0f} MiB; lower max_tokens or run it on a "
+                f"{self.budget_bytes / 2**20:.0f} MiB; {fewer} or run it on a "
                 "machine with more memory"
             )
         return None

@@ -47,7 +47,7 @@ def vet(runner: Runner, job: Job) -> Vetted | Refused:
         engine, scheduler = runner.engine, runner.scheduler
         assert engine is not None and scheduler is not None
         tokens = engine.encode(request)
-        problem = scheduler.fits_alone(len(tokens), request.max_tokens)
+        problem = scheduler.fits_alone(len(tokens), request.max_tokens, request.n)
         if problem:
             raise JobRejected(problem)
     except JobInputError as e:
