@@ -296,7 +296,8 @@ def results(
     timeout: float | None,
     redis_url: str,
 ) -> None:
-    """Write a batch's results, one line (or table row) per request in input order."""
+    """Write a batch's results in input order: a line per request (a table row per request,
+    or per sample of requests with n)."""
     out_fmt = output_format(output, fmt, endpoint, errors, with_input)
     conn = connect(redis_url)
     try:
