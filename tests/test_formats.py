@@ -145,7 +145,7 @@ def with_logprobs() -> Result:
     )
 
 
-def test_chat_logprobs_without_a_tokenizer_use_token_ids():
+def test_chat_logprobs_stored_without_bytes_use_token_ids():
     choice = to_openai_line(with_logprobs())["response"]["body"]["choices"][0]
     content = choice["logprobs"]["content"]
     assert content[0] == {
@@ -161,31 +161,62 @@ def test_chat_logprobs_without_a_tokenizer_use_token_ids():
     assert content[1]["top_logprobs"] == [] and content[1]["logprob"] == -0.7
 
 
-def test_chat_logprobs_with_token_text():
-    vocab = {10: "Hi", 11: "!", 12: "é"}
-    line = to_openai_line(with_logprobs(), token_text=vocab.__getitem__)
+def with_bytes() -> Result:
+    """``with_logprobs`` as a worker stores it now: each token's UTF-8 bytes recorded. The
+    second token is the first half of "é" (0xC3 0xA9); the alternative the other half."""
+    result = with_logprobs()
+    result.text = "Hié"
+    result.token_ids = [10, 11, 13]
+    hi, half, rest = list(b"Hi"), [0xC3], [0xA9]
+    result.logprobs = [
+        TokenLogprob(10, -0.1, [TopLogprob(10, -0.1), TopLogprob(12, -2.5)], hi, [hi, list(b"\t")]),
+        TokenLogprob(11, -0.7, [TopLogprob(11, -0.7)], half, [half]),
+        TokenLogprob(13, -0.2, [], rest, []),
+    ]
+    return result
+
+
+def test_chat_logprobs_name_tokens_by_their_stored_bytes():
+    line = to_openai_line(result_decoder.decode(json_encoder.encode(with_bytes())))
     content = line["response"]["body"]["choices"][0]["logprobs"]["content"]
-    assert [c["token"] for c in content] == ["Hi", "!"]
-    assert content[0]["bytes"] == [72, 105]
+    assert [c["token"] for c in content] == ["Hi", "bytes:\\xc3", "bytes:\\xa9"]
+    assert bytes(b for c in content for b in c["bytes"]).decode() == "Hié"
     assert content[0]["top_logprobs"][1] == {
-        "token": "é",
+        "token": "\t",
         "token_id": 12,
         "logprob": -2.5,
-        "bytes": [0xC3, 0xA9],
+        "bytes": [9],
     }
+    assert content[1]["top_logprobs"] == [
+        {"token": "bytes:\\xc3", "token_id": 11, "logprob": -0.7, "bytes": [0xC3]}
+    ]
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
+def test_logprobs_parse_as_the_openai_sdk_s_types(endpoint):
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    body = to_openai_line(with_bytes(), endpoint)["response"]["body"]
+    if endpoint == "/v1/completions":
+        parsed = Completion.model_validate(body).choices[0].logprobs
+        assert parsed.tokens == ["Hi", "bytes:\\xc3", "bytes:\\xa9"]
+        assert parsed.top_logprobs[0] == {"Hi": -0.1, "\t": -2.5}
+        return
+    content = ChatCompletion.model_validate(body).choices[0].logprobs.content
+    assert [c.token for c in content] == ["Hi", "bytes:\\xc3", "bytes:\\xa9"]
+    assert [c.bytes for c in content] == [[72, 105], [0xC3], [0xA9]]
+    assert [(t.token, t.bytes) for t in content[0].top_logprobs] == [("Hi", [72, 105]), ("\t", [9])]
 
 
 def test_completion_logprobs_legacy_shape():
-    vocab = {10: "Hi", 11: "!", 12: "yo"}
-    choice = to_openai_line(with_logprobs(), "/v1/completions", token_text=vocab.__getitem__)[
-        "response"
-    ]["body"]["choices"][0]
+    choice = to_openai_line(with_bytes(), "/v1/completions")["response"]["body"]["choices"][0]
     assert choice["logprobs"] == {
-        "tokens": ["Hi", "!"],
-        "token_ids": [10, 11],
-        "token_logprobs": [-0.1, -0.7],
-        "top_logprobs": [{"Hi": -0.1, "yo": -2.5}, {}],
-        "text_offset": [0, 2],
+        "tokens": ["Hi", "bytes:\\xc3", "bytes:\\xa9"],
+        "token_ids": [10, 11, 13],
+        "token_logprobs": [-0.1, -0.7, -0.2],
+        "top_logprobs": [{"Hi": -0.1, "\t": -2.5}, {"bytes:\\xc3": -0.7}, {}],
+        "text_offset": [0, 2, 2],  # "é" starts at character 2, complete after its 2nd byte
     }
     plain = to_openai_line(with_logprobs(), "/v1/completions")["response"]["body"]
     assert plain["choices"][0]["logprobs"]["tokens"] == ["10", "11"]

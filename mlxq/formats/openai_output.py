@@ -27,15 +27,20 @@ Choices made where mlxq and OpenAI differ:
 * ``n`` > 1: a choice per sample, in order, each with its own ``finish_reason``; a
   sample that ended in error (e.g. its constraint failed) reports ``error`` there.
   ``usage.completion_tokens`` counts every choice's tokens.
-* Logprobs: results carry token ids, not token text. Pass ``token_text`` (e.g. a
-  tokenizer's single-token decode) to get real ``token`` strings and their UTF-8 ``bytes``;
-  without it ``token`` is the id as a decimal string and ``bytes`` is null. Either way
-  every entry also has a non-standard ``token_id`` field (completions: ``token_ids``),
-  which clients that follow OpenAI's schema ignore.
+* Logprobs: OpenAI's shapes. Chat: ``logprobs.content``, an entry per token with its
+  ``token`` text, ``logprob``, UTF-8 ``bytes`` and ``top_logprobs`` (each ``{token,
+  logprob, bytes}``); completions: ``tokens``, ``token_logprobs``, ``top_logprobs`` (a
+  ``{token: logprob}`` per token) and ``text_offset`` (characters). A token holding part
+  of a multi-byte character has the bytes it holds, and as ``token`` ``bytes:`` and its
+  text with the partial character's bytes escaped (``bytes: \\xf0\\x9f``). Results from
+  before workers recorded bytes give ``token`` as the id in decimal, ``bytes`` null and
+  ``text_offset`` null. Every entry also has a non-standard ``token_id`` (completions:
+  ``token_ids``), which clients that follow OpenAI's schema ignore.
 """
 
 from __future__ import annotations
 
+import codecs
 import time
 from collections.abc import Callable
 from typing import Any
@@ -63,7 +68,6 @@ _FALLBACK_MESSAGES = {
     "request_timeout": "The request reached its time limit before generating any tokens.",
 }
 
-TokenText = Callable[[int], str]
 # One choice's body fields (message or text, and logprobs) from its text and logprobs.
 _Choice = Callable[[str, list[TokenLogprob] | None], dict[str, Any]]
 
@@ -85,13 +89,12 @@ def to_openai_line(
     endpoint: str = CHAT_URL,
     *,
     cancelled_code: str = "batch_cancelled",
-    token_text: TokenText | None = None,
 ) -> dict[str, Any]:
     """One OpenAI Batch output (or error) line for ``result``, as a JSON-ready dict.
 
     ``endpoint`` (``/v1/chat/completions`` or ``/v1/completions``; a trailing slash is
     allowed) picks the body's shape. A ``cancelled`` result is reported with
-    ``cancelled_code``. ``token_text`` names logprob tokens (see the module docstring).
+    ``cancelled_code``.
     """
     make_body = _BODIES.get(endpoint.rstrip("/"))
     if make_body is None:
@@ -102,7 +105,7 @@ def to_openai_line(
     response = {
         "status_code": 200,
         "request_id": "req_" + _hex(result.job_id),
-        "body": make_body(result, token_text),
+        "body": make_body(result),
     }
     return {"id": line_id, "custom_id": result.custom_id, "response": response, "error": None}
 
@@ -117,30 +120,29 @@ def error_line(line_id: str, custom_id: str | None, code: str, message: str) -> 
     }
 
 
-def chat_body(result: Result, token_text: TokenText | None = None) -> dict[str, Any]:
+def chat_body(result: Result) -> dict[str, Any]:
     """A ``chat.completion`` object for a finished result (a choice per sample)."""
 
     def choice(text: str, lps: list[TokenLogprob] | None) -> dict[str, Any]:
         logprobs = None
         if lps is not None:
-            logprobs = {"content": [_chat_logprob(lp, token_text) for lp in lps], "refusal": None}
+            logprobs = {"content": [_chat_logprob(lp) for lp in lps], "refusal": None}
         message = {"role": "assistant", "content": text, "refusal": None}
         return {"message": message, "logprobs": logprobs}
 
     return _body(result, "chatcmpl-", "chat.completion", choice)
 
 
-def completion_body(result: Result, token_text: TokenText | None = None) -> dict[str, Any]:
+def completion_body(result: Result) -> dict[str, Any]:
     """A ``text_completion`` object for a finished result (a choice per sample)."""
 
     def choice(text: str, lps: list[TokenLogprob] | None) -> dict[str, Any]:
-        logprobs = None if lps is None else _completion_logprobs(lps, token_text)
-        return {"text": text, "logprobs": logprobs}
+        return {"text": text, "logprobs": None if lps is None else _completion_logprobs(lps)}
 
     return _body(result, "cmpl-", "text_completion", choice)
 
 
-_BODIES: dict[str, Callable[[Result, TokenText | None], dict[str, Any]]] = {
+_BODIES: dict[str, Callable[[Result], dict[str, Any]]] = {
     CHAT_URL: chat_body,
     COMPLETIONS_URL: completion_body,
 }
@@ -176,52 +178,65 @@ def _body(result: Result, id_prefix: str, kind: str, choice: _Choice) -> dict[st
     }
 
 
-def _token(token_id: int, token_text: TokenText | None) -> tuple[str, list[int] | None]:
-    """A token's text and UTF-8 bytes, or its id as text and None without ``token_text``."""
-    if token_text is None:
-        return str(token_id), None
-    text = token_text(token_id)
-    return text, list(text.encode("utf-8"))
+def token_text(raw: list[int]) -> str:
+    """A token's ``token`` string from its UTF-8 bytes: their text, or where they hold part
+    of a character, ``bytes:`` and the text with the bytes that do not decode escaped."""
+    data = bytes(raw)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + data.decode("utf-8", "backslashreplace")
 
 
-def _chat_logprob(lp: TokenLogprob, token_text: TokenText | None) -> dict[str, Any]:
+def _token(token_id: int, raw: list[int] | None) -> str:
+    """A token's text, or its id in decimal where its bytes are unknown."""
+    return str(token_id) if raw is None else token_text(raw)
+
+
+def _alternatives(lp: TokenLogprob) -> list[tuple[int, float, list[int] | None]]:
+    """``(token_id, logprob, bytes)`` of each top alternative (bytes None where unknown)."""
+    raws = lp.top_bytes if lp.top_bytes is not None else [None] * len(lp.top)
+    return [(t.token_id, t.logprob, raw) for t, raw in zip(lp.top, raws, strict=True)]
+
+
+def _chat_logprob(lp: TokenLogprob) -> dict[str, Any]:
     """One entry of a chat choice's ``logprobs.content``."""
-    token, raw = _token(lp.token_id, token_text)
-    top = []
-    for alt in lp.top:
-        alt_token, alt_raw = _token(alt.token_id, token_text)
-        top.append(
-            {"token": alt_token, "token_id": alt.token_id, "logprob": alt.logprob, "bytes": alt_raw}
-        )
+    top = [
+        {"token": _token(i, raw), "token_id": i, "logprob": value, "bytes": raw}
+        for i, value, raw in _alternatives(lp)
+    ]
     return {
-        "token": token,
+        "token": _token(lp.token_id, lp.bytes),
         "token_id": lp.token_id,
         "logprob": lp.logprob,
-        "bytes": raw,
+        "bytes": lp.bytes,
         "top_logprobs": top,
     }
 
 
-def _completion_logprobs(
-    logprobs: list[TokenLogprob], token_text: TokenText | None
-) -> dict[str, Any]:
+def _completion_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
     """The legacy completions shape: parallel lists, top alternatives as {token: logprob}."""
-    tokens = [_token(lp.token_id, token_text)[0] for lp in logprobs]
-    offsets = None
-    if token_text is not None:
-        offsets, pos = [], 0
-        for tok in tokens:
-            offsets.append(pos)
-            pos += len(tok)
+    raws = [lp.bytes for lp in logprobs]
     return {
-        "tokens": tokens,
+        "tokens": [_token(lp.token_id, lp.bytes) for lp in logprobs],
         "token_ids": [lp.token_id for lp in logprobs],
         "token_logprobs": [lp.logprob for lp in logprobs],
         "top_logprobs": [
-            {_token(alt.token_id, token_text)[0]: alt.logprob for alt in lp.top} for lp in logprobs
+            {_token(i, raw): value for i, value, raw in _alternatives(lp)} for lp in logprobs
         ],
-        "text_offset": offsets,
+        "text_offset": None if None in raws else _text_offsets(raws),
     }
+
+
+def _text_offsets(raws: list[list[int]]) -> list[int]:
+    """Where each token starts in the text, in characters: a token that ends inside a
+    character counts it only once the character is complete."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    offsets, pos = [], 0
+    for raw in raws:
+        offsets.append(pos)
+        pos += len(decoder.decode(bytes(raw)))
+    return offsets
 
 
 def _usage(result: Result) -> dict[str, int]:

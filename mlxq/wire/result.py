@@ -34,11 +34,18 @@ class TopLogprob(Struct, array_like=True):
 
 
 class TokenLogprob(Struct):
-    """The chosen token's logprob and, if asked for, the top-n alternatives."""
+    """The chosen token's logprob and, if asked for, the top-n alternatives.
+
+    ``bytes`` is the chosen token's UTF-8 bytes and ``top_bytes`` each alternative's, in
+    the order of ``top`` (both null where unknown, as in results from before them). A token
+    can hold part of a multi-byte character: the tokens' bytes joined are the text's.
+    """
 
     token_id: int
     logprob: float
     top: list[TopLogprob] = []
+    bytes: list[int] | None = None
+    top_bytes: list[list[int]] | None = None
 
 
 class Timing(Struct):

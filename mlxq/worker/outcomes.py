@@ -9,8 +9,8 @@ writes run in one optimistic transaction that watches the jobs' hashes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 import msgspec
 import redis
@@ -21,6 +21,7 @@ from rq.worker import BaseWorker
 
 from mlxq.broker.rq_store import end_script, transitions
 from mlxq.engine.sampling import Completion
+from mlxq.engine.token_bytes import token_bytes_for
 from mlxq.wire import FinishReason, JobMeta, Request, Result, Timing, Usage
 
 
@@ -130,8 +131,16 @@ def _write(pipe, worker: BaseWorker, inf: InFlight, result: Result) -> None:
     )
 
 
-def build_result(inf: InFlight, c: Completion, model: str, worker: str) -> Result:
-    """The stored result of a job: tokens, usage and timing (and its samples' choices)."""
+def build_result(
+    inf: InFlight, c: Completion, model: str, worker: str, tokenizer: Any = None
+) -> Result:
+    """The stored result of a job: tokens, usage and timing (and its samples' choices).
+
+    With ``tokenizer``, logprobs name each token's UTF-8 bytes (the OpenAI formats' token
+    text): per token, so here on the worker's thread rather than the MLX thread.
+    """
+    if tokenizer is not None and inf.request.logprobs is not None:
+        c = _with_token_bytes(c, tokenizer)
     n = c.completion_tokens
     # A job the worker stopped ends "cancelled" in the engine; say why it was stopped.
     stopped = c.finish_reason == "cancelled" and inf.stop_reason is not None
@@ -157,6 +166,14 @@ def build_result(inf: InFlight, c: Completion, model: str, worker: str) -> Resul
         timing=_timing(inf, c),
         choices=c.choices,
     )
+
+
+def _with_token_bytes(c: Completion, tokenizer: Any) -> Completion:
+    names = token_bytes_for(tokenizer)
+    choices = c.choices and [
+        msgspec.structs.replace(ch, logprobs=names.named(ch.logprobs)) for ch in c.choices
+    ]
+    return replace(c, logprobs=names.named(c.logprobs), choices=choices)
 
 
 def unrun_result(inf: InFlight, reason: str, error: str, model: str, worker: str) -> Result:

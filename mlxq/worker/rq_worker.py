@@ -215,7 +215,8 @@ class MlxqWorker(JobIntake, BaseWorker):
             if inf.request.stream:
                 self.owed.stream_ends.append((c.key, c.finish_reason))
             self.jobs_done += 1
-            result = build_result(inf, c, self.model_name, self.name)
+            tokenizer = getattr(self.runner.engine, "tokenizer", None)  # logprobs' bytes
+            result = build_result(inf, c, self.model_name, self.name, tokenizer)
             if self.on_finish is not None:
                 self.on_finish(result)
             if self.reporter is not None:
