@@ -27,14 +27,15 @@ def needs_extra(extra: str, feature: str) -> Iterator[None]:
     """Turn a missing module inside the block into a one-line :class:`MissingExtra`.
 
     Used around the imports of an optional extra, so that using ``feature`` without it
-    says ``pip install 'mlxq[EXTRA]'`` instead of a ``ModuleNotFoundError`` traceback.
+    says how to install the extra (from the clone: mlxq is not on a package index) instead
+    of a ``ModuleNotFoundError`` traceback.
     """
     try:
         yield
     except ModuleNotFoundError as e:
         raise MissingExtra(
             f"{feature} needs the `{extra}` extra (missing module {e.name!r}): "
-            f"pip install 'mlxq[{extra}]'"
+            f"pip install -e '.[{extra}]' in your mlxq clone"
         ) from e
 
 

@@ -275,4 +275,5 @@ def test_missing_api_extra_gives_the_one_line_hint(valkey_url):
     )
     assert res.returncode == 1
     (line,) = res.stderr.strip().splitlines()
-    assert line.startswith("mlxq: error: ") and line.endswith("pip install 'mlxq[api]'")
+    assert line.startswith("mlxq: error: ")
+    assert line.endswith("pip install -e '.[api]' in your mlxq clone")

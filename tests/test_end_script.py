@@ -117,7 +117,7 @@ def test_only_finished_jobs_that_keep_their_hash_take_the_script() -> None:
 def test_a_job_whose_script_redis_refuses_leaves_the_others_ended(conn: redis.Redis) -> None:
     """Redis answers each job's script alone: one refused (here a key of the wrong type, as
     another writer could leave) comes back as its error, and the rest are ended."""
-    batch, worker, ((a, qa, ea), (b, qb, eb)) = _started(conn, 2)
+    _, worker, ((a, qa, ea), (b, qb, eb)) = _started(conn, 2)
     conn.set(rq_keys.results_key(a.id), "not a stream")
     endings = [end_script.Ending(j, qu, e, _result(j)) for j, qu, e in ((a, qa, ea), (b, qb, eb))]
     refused, ended = end_script.end_finished(worker, endings)

@@ -177,4 +177,4 @@ def test_a_missing_extra_names_it(tmp_path: Path, tiny_model: str, valkey_url: s
         "worker", "--model", tiny_model, "--burst", "--metrics-port", "0",
         url=valkey_url, env=env,
     )  # fmt: skip
-    assert_one_line(proc, "`metrics` extra", "pip install 'mlxq[metrics]'")
+    assert_one_line(proc, "`metrics` extra", "pip install -e '.[metrics]' in your mlxq clone")

@@ -248,7 +248,7 @@ def test_parquet_without_pyarrow_says_which_extra(tmp_path, questions_csv):
     assert res.returncode == 1
     (line,) = res.stderr.strip().splitlines()
     assert line.startswith("mlxq: error: reading and writing Parquet needs the `parquet` extra")
-    assert line.endswith("pip install 'mlxq[parquet]'")
+    assert line.endswith("pip install -e '.[parquet]' in your mlxq clone")
 
 
 # -- tables out ----------------------------------------------------------------------------

@@ -147,7 +147,7 @@ def worker_profile(profile: str | None, **overrides: Any):  # -> WorkerProfile
 @click.option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
-    help="Serve Prometheus metrics on this port (pip install 'mlxq[metrics]').",
+    help="Serve Prometheus metrics on this port (the metrics extra: pip install -e '.[metrics]').",
 )
 @click.option("--name", help="Worker name shown by `rq info` [default: random].")
 @redis_option

@@ -12,7 +12,7 @@ template field naming a column the file does not have refuses the file; a row wi
 value for it (a short CSV row, a Parquet null, a JSON object without the key) is an error
 that names the row. CSV and TSV (``.tsv``: tab-separated) are read with the standard
 library (UTF-8, an optional BOM);
-Parquet needs pyarrow (``pip install 'mlxq[parquet]'``).
+Parquet needs pyarrow (the ``parquet`` extra: ``pip install -e '.[parquet]'``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one worker (``pip install 'mlxq[metrics]'``).
+"""Prometheus metrics of one worker (the ``metrics`` extra: ``pip install -e '.[metrics]'``).
 
 The worker owns one ``WorkerMetrics``, calls it as jobs finish and as its state changes,
 and ``serve(port)`` exposes ``/metrics`` for Prometheus to scrape. Every instance has its
