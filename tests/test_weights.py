@@ -61,18 +61,17 @@ def test_cpu_auto_takes_the_fastest_measured_format(caplog: pytest.LogCaptureFix
     before = model(tokens)
     with caplog.at_level(logging.INFO, logger="mlxq.engine"):
         out = prepare_weights(model, "cpu", 1 << 34, "auto")
-    timed = re.search(
-        r"quantized ([\d.]+) ms, float32 ([\d.]+) ms, bfloat16 ([\d.]+) ms", caplog.text
-    )
-    assert timed is not None, caplog.text  # the reason is the measurement, all three timed
-    ms = dict(zip(("quantized", "float32", "bfloat16"), map(float, timed.groups()), strict=True))
-    fastest = min(ms, key=ms.__getitem__)
-    if fastest == "quantized":
-        assert linear_kinds(out) == {"QuantizedLinear"} and "kept quantized" in caplog.text
+    timed = re.search(r"quantized ([\d.]+) ms, float32 ([\d.]+) ms", caplog.text)
+    assert timed is not None, caplog.text  # the reason is the measurement, both timed
+    assert "bfloat16" not in caplog.text  # it drifts on the CPU: never a candidate
+    quantized_ms, float_ms = map(float, timed.groups())
+    if "kept quantized" in caplog.text:  # (the log rounds: equal figures allow either)
+        assert linear_kinds(out) == {"QuantizedLinear"} and quantized_ms <= float_ms
         return
-    assert linear_kinds(out) == {"Linear"} and f"to {fastest}" in caplog.text
-    assert {p.dtype for _, p in tree_flatten(out.parameters())} == {getattr(mx, fastest)}
-    assert mx.allclose(out(tokens).astype(mx.float32), before, atol=0.05).item()
+    assert linear_kinds(out) == {"Linear"} and "to float32" in caplog.text
+    assert float_ms <= quantized_ms
+    assert {p.dtype for _, p in tree_flatten(out.parameters())} == {mx.float32}
+    assert mx.allclose(out(tokens), before, atol=1e-4).item()
 
 
 def test_cpu_auto_keeps_quantized_weights_when_no_float_copy_fits(

@@ -7,8 +7,8 @@ Metal's quantized kernels are fast and Macs are short of memory. So ``"auto"``:
 
 - on CUDA dequantizes when the dequantized weights take at most :data:`DEQUANTIZE_SHARE` of
   device memory;
-- on the CPU times one of the model's own layers at load, quantized, float32 and bfloat16,
-  and takes the fastest whose weights fit that share (the timings are logged);
+- on the CPU times one of the model's own layers at load, quantized and in float32, and
+  takes the faster whose weights fit that share (the timings are logged);
 - elsewhere keeps them quantized.
 
 ``"on"`` and ``"off"`` force it. The decision is logged.
@@ -28,7 +28,10 @@ log = logging.getLogger("mlxq.engine")
 DEQUANTIZE_MODES = ("auto", "on", "off")
 # "auto" dequantizes only if the full-precision weights fit in this share of memory.
 DEQUANTIZE_SHARE = 0.5
-CPU_DTYPES = (mx.float32, mx.bfloat16)  # the CPU's candidates (float16 has no fast CPU path)
+# The CPU's candidates. Not float16 (no fast CPU path), nor bfloat16: a bfloat16 copy drifted
+# on the CPU (SmolLM2 answered "L'Étoile, la Marseillaise" for Paris) and was ~4x slower than
+# float32 through OpenBLAS anyway, winning only in noisy timings of a loaded machine.
+CPU_DTYPES = (mx.float32,)
 PROBE_ROWS = 8  # tokens per timed matmul: a small decode batch
 # Where MLX's CPU quantized matmul is slow it is very slow (about 40 MFLOP/s here), so the
 # probe times the smallest layer: a 4096x1024 one is ~1 s, an embedding 49152x576 was 12 s.

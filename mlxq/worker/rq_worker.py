@@ -123,10 +123,10 @@ class MlxqWorker(JobIntake, BaseWorker):
     ) -> bool:
         """Serve the queues until stopped (or, with ``burst``, until they are empty)."""
         outage = Outage(self.log, self.name)
-        while_refused(lambda: self.bootstrap(logging_level), outage)  # a full Redis: wait
-        internals.install_signal_handlers(self)
-        self.set_state(WorkerStatus.IDLE)
-        try:
+        try:  # (a signal during bootstrap still ends in the teardown below)
+            while_refused(lambda: self.bootstrap(logging_level), outage)  # a full Redis: wait
+            internals.install_signal_handlers(self)
+            self.set_state(WorkerStatus.IDLE)
             while not (internals.stop_requested(self) or self._force_stop):
                 try:
                     self._check_server_if_due()
@@ -154,9 +154,16 @@ class MlxqWorker(JobIntake, BaseWorker):
             if not self.stalled:  # a hung MLX thread never joins: do not wait for it
                 self.runner.stop()
                 self._forget()
-            with contextlib.suppress(redis.RedisError):  # away or full: its record expires
-                self.teardown()
+            self._teardown()
         return self.jobs_done > 0
+
+    def _teardown(self) -> None:
+        """RQ's teardown, each part on its own: a Redis away or full must not leave the
+        command channel's thread running (it would log connection errors until exit)."""
+        with contextlib.suppress(redis.RedisError):  # its record expires by itself
+            self.register_death()
+        with contextlib.suppress(redis.RedisError):
+            self.unsubscribe()
 
     def _pass(self, burst: bool, max_jobs: int | None) -> bool:
         """One pass of the loop; True when the worker is done."""
