@@ -10,7 +10,15 @@ import redis
 
 from mlxq.broker import batches as q
 from mlxq.broker import keys
-from mlxq.cli.results import emit_results, fail_on_failures, wait_with_progress
+from mlxq.cli.results import (
+    OutputFormat,
+    errors_at,
+    fail_on_failures,
+    output_format,
+    output_options,
+    wait_with_progress,
+    write_output,
+)
 from mlxq.cli.support import connect, fail, progress_bar, redis_option
 from mlxq.cli.tables import input_options
 from mlxq.formats.tables import InputOptions
@@ -89,8 +97,10 @@ def _refusal(e: Any, what: str) -> str:
     "-o",
     "--output",
     type=click.Path(dir_okay=False, allow_dash=True),
-    help="With --wait: write the results here (JSONL).",
+    help="With --wait: write the results here, in the format its suffix names (.jsonl, "
+    ".csv, .parquet; or --format).",
 )
+@output_options
 @click.option("--timeout", type=float, help="With --wait: give up after this many seconds.")
 @input_options
 @redis_option
@@ -107,6 +117,10 @@ def submit(
     wait: bool,
     as_json: bool,
     output: str | None,
+    fmt: str | None,
+    endpoint: str,
+    errors: str | None,
+    with_input: bool,
     timeout: float | None,
     redis_url: str,
     inputs: InputOptions,
@@ -123,6 +137,7 @@ def submit(
     """
     if output and not wait:
         fail("-o/--output needs --wait (or collect later with `mlxq results BATCH -o FILE`)")
+    out_fmt = output_format(output, fmt, endpoint, errors, with_input) if output else None
     if resume:
         _refuse_settings_with_resume(click.get_current_context())
     parsed = read_file(file, skip_invalid, inputs)
@@ -148,7 +163,7 @@ def submit(
             f"submitted {info.total} requests to queue {info.queue!r} as batch {info.batch_id}"
         )
     if wait:
-        _wait_and_write(conn, info.batch_id, output, timeout)
+        _wait_and_write(conn, info.batch_id, output, out_fmt, timeout)
 
 
 _BATCH_SETTINGS = ("queue_name", "model", "retries", "job_timeout", "result_ttl", "expires_in")
@@ -195,9 +210,13 @@ def _resume(conn: redis.Redis, batch_id: str, requests: list):  # -> BatchInfo
 
 
 def _wait_and_write(
-    conn: redis.Redis, batch_id: str, output: str | None, timeout: float | None
+    conn: redis.Redis,
+    batch_id: str,
+    output: str | None,
+    out_fmt: OutputFormat | None,
+    timeout: float | None,
 ) -> None:
     status = wait_with_progress(conn, batch_id, timeout)
-    if output:
-        emit_results(conn, batch_id, output)
-    fail_on_failures(conn, status, output)
+    if output and out_fmt:
+        write_output(conn, batch_id, output, out_fmt)
+    fail_on_failures(conn, status, errors_at(output, out_fmt) if output and out_fmt else None)

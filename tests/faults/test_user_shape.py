@@ -6,6 +6,7 @@ exactly once."""
 
 from __future__ import annotations
 
+import csv
 import json
 import time
 
@@ -57,6 +58,14 @@ def test_cli_submit_wait_on_a_long_lived_worker_idle_between_three_batches(
         assert all(r["finish_reason"] in ("stop", "length") for r in results)
         assert_each_once(conn, results[0]["batch_id"], 7)
         time.sleep(IDLE_S)
+    # -o names the format, as for `mlxq run` and `mlxq results`: a CSV table here
+    table = tmp_path / "r.csv"
+    args = ("submit", str(prompts), "--model", tiny_model, "--wait", "--timeout", "120")
+    done = run_mlxq(*args, "-o", str(table), url=valkey_url)
+    assert done.returncode == 0, done.stderr
+    with table.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["custom_id"] for r in rows] == [f"c{i}" for i in range(7)]
 
 
 @pytest.mark.parametrize("queues", [["one"], ["first", "second"], ["a", "b", "c"]])
