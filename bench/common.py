@@ -164,3 +164,15 @@ def preset_tokenizer() -> Any:
     )
     hf.chat_template = CHAT_TEMPLATE
     return TokenizerWrapper(hf, BPEStreamingDetokenizer, eos_token_ids=EOS_IDS)
+
+
+def load_as_worker(model: str) -> tuple[Any, Any, Any]:
+    """``(model, tokenizer, device facts)``: a folder, hub id or ``.gguf`` file loaded as
+    ``mlxq worker --model`` loads it (converted, weights in the format this backend picks)."""
+    from mlxq.engine.hardware import device_facts
+    from mlxq.engine.model_source import load_model, resolve_model
+    from mlxq.engine.weights import prepare_weights
+
+    loaded, tokenizer = load_model(model, resolve_model(model))
+    facts = device_facts()
+    return prepare_weights(loaded, facts.backend, facts.memory_bytes, "auto"), tokenizer, facts

@@ -46,15 +46,10 @@ def main() -> None:
     from mlx_lm.generate import generate_step
 
     from mlxq.engine.factory import make_engine
-    from mlxq.engine.hardware import device_facts
-    from mlxq.engine.model_source import load_model, resolve_model
     from mlxq.engine.sampling import EngineJob
-    from mlxq.engine.weights import prepare_weights
     from mlxq.wire import Request
 
-    model, tokenizer = load_model(args.model, resolve_model(args.model))
-    facts = device_facts()
-    model = prepare_weights(model, facts.backend, facts.memory_bytes, "auto")
+    model, tokenizer, facts = common.load_as_worker(args.model)
     vocab = tokenizer.vocab_size
     prompt = [(7 + 31 * i) % (vocab - 8) + 4 for i in range(args.prompt_tokens)]
 

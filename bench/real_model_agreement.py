@@ -89,14 +89,9 @@ def main() -> None:
     args = p.parse_args()
     common.use_openblas()
     common.quiet_logs()
-    from mlxq.engine.hardware import device_facts
-    from mlxq.engine.model_source import load_model, resolve_model
     from mlxq.engine.slot_choices import SORT_ENV
-    from mlxq.engine.weights import prepare_weights
 
-    model, tokenizer = load_model(args.model, resolve_model(args.model))
-    facts = device_facts()
-    model = prepare_weights(model, facts.backend, facts.memory_bytes, "auto")
+    model, tokenizer, facts = common.load_as_worker(args.model)
     reqs = requests(args.requests, args.max_tokens)
     runs = {}
     for sort in ("1", "0"):
