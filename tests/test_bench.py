@@ -121,3 +121,15 @@ def test_n_samples_runs_each_mode_on_both_cases(tmp_path: Path) -> None:
     for r in results:
         assert r["same"]  # n samples are the separate submissions' samples, token for token
         assert all(r[mode]["median_wall_s"] > 0 for mode in ("n", "separate", "separate+prefix"))
+
+
+def test_real_model_agreement_and_long_prompt_memory_run(tiny_model: str) -> None:
+    """The scripts behind issue 31's figures, small, on the tiny model's folder."""
+    small = ("--requests", "6", "--max-tokens", "6", "--reference", "2")
+    agree = run_script("bench/real_model_agreement.py", "--model", tiny_model, *small)
+    got = json.loads(agree.stdout.strip().splitlines()[-1])
+    assert got["sorted_equal_unsorted"] == 6 and got["equal_to_mlx_lm"] == 2, got
+    short = ("--prompt-tokens", "300", "--max-tokens", "4")
+    memory = run_script("bench/long_prompt_memory.py", "--model", tiny_model, *short)
+    got = json.loads(memory.stdout.strip().splitlines()[-1])
+    assert got["same_tokens"] and got["ratio"] <= 2, got
