@@ -104,7 +104,8 @@ class JobIntake:
             for (job, _), v in zip(group, vetted, strict=True)
             if isinstance(v, Vetted) and not v.expired
         ]
-        if works:
+        handed = time.time()  # the jobs' start: the engine may finish a short one before
+        if works:  # they are registered below
             self.runner.submit(works)
         try:
             executions = intake.register(self, group)
@@ -130,7 +131,7 @@ class JobIntake:
                 self.owed.failed.append(Failure(job, queue, execution, result, "rejected"))
             else:
                 inf = InFlight(
-                    job, queue, execution, v.request, v.meta, time.time(), None, len(v.tokens)
+                    job, queue, execution, v.request, v.meta, handed, None, len(v.tokens)
                 )
                 if v.expired:
                     msg = "the batch expired before this request ran"
