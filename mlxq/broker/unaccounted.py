@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import msgspec
 import redis
 
-from mlxq.broker import keys
+from mlxq.broker import batches, keys
 from mlxq.broker.rq_store import counters, reads, whereabouts
 from mlxq.wire import BatchInfo
 
@@ -72,17 +72,10 @@ def find(conn: redis.Redis, batch_id: str) -> list[str]:
 def _unheld(conn: redis.Redis, batch_id: str, held: set[str]) -> list[str]:
     """The batch's live jobs (by status) that are not in ``held``."""
     out: list[str] = []
-    start = 0
-    while True:
-        ids = [j.decode() for j in conn.lrange(keys.batch_jobs(batch_id), start, start + 999)]
-        out += [
-            job_id
-            for job_id, state in zip(ids, reads.job_states(conn, ids), strict=True)
-            if state in LIVE and job_id not in held
-        ]
-        if len(ids) < 1000:
-            return out
-        start += len(ids)
+    for ids in batches.iter_job_id_chunks(conn, batch_id):
+        states = reads.job_states(conn, ids)
+        out += [j for j, s in zip(ids, states, strict=True) if s in LIVE and j not in held]
+    return out
 
 
 def _active_batches(conn: redis.Redis, queues: set[str]) -> dict[str, list[str]]:
