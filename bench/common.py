@@ -157,7 +157,7 @@ def preset_tokenizer() -> Any:
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
     from transformers import PreTrainedTokenizerFast
 
-    from mlxq.engine.make_model import BOS, CHAT_TEMPLATE, END, EOS_IDS, EOT, build_tokenizer
+    from mlxq.engine.models.make import BOS, CHAT_TEMPLATE, END, EOS_IDS, EOT, build_tokenizer
 
     hf = PreTrainedTokenizerFast(
         tokenizer_object=build_tokenizer(), bos_token=BOS, eos_token=EOT, pad_token=END
@@ -170,8 +170,8 @@ def load_as_worker(model: str) -> tuple[Any, Any, Any]:
     """``(model, tokenizer, device facts)``: a folder, hub id or ``.gguf`` file loaded as
     ``mlxq worker --model`` loads it (converted, weights in the format this backend picks)."""
     from mlxq.engine.hardware import device_facts
-    from mlxq.engine.model_source import load_model, resolve_model
-    from mlxq.engine.weights import prepare_weights
+    from mlxq.engine.models.source import load_model, resolve_model
+    from mlxq.engine.models.weights import prepare_weights
 
     loaded, tokenizer = load_model(model, resolve_model(model))
     facts = device_facts()

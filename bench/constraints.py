@@ -74,7 +74,7 @@ def load(preset: str, path: str | None = None) -> tuple[Any, Any]:
         import mlx_lm
 
         return mlx_lm.load(path)[:2]
-    from mlxq.engine.make_model import build_model
+    from mlxq.engine.models.make import build_model
 
     return build_model(preset, seed=SEED)[0], preset_tokenizer()
 
@@ -232,7 +232,7 @@ def report(rows: list[dict], header: str) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny", help="mlxq.engine.make_model preset")
+    p.add_argument("--preset", default="tiny", help="mlxq.engine.models.make preset")
     p.add_argument("--model", help="a local mlx-lm model folder instead of a preset")
     p.add_argument("--batches", default="64,256", help="decode batch sizes, comma-separated")
     p.add_argument("--factor", type=int, default=2, help="jobs per run = factor x batch")

@@ -49,9 +49,9 @@ def make_step(path: str, model: Any, info: Any, rows: int, length: int) -> Calla
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache, KVCache
 
-    from mlxq.engine import mlx_lm_seam
-    from mlxq.engine.attention import KERNELS
-    from mlxq.engine.slot_cache import DecodeState, SlotCache, SlotLayer
+    from mlxq.engine.models import mlx_lm_seam
+    from mlxq.engine.slots.attention import KERNELS
+    from mlxq.engine.slots.cache import DecodeState, SlotCache, SlotLayer
 
     dtype = getattr(mx, info.dtype)
     cap = (length // 256 + 1) * 256
@@ -113,7 +113,7 @@ def time_step(step: Callable[[], Any], warmup: int, repeat: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     use_openblas()
-    from mlxq.engine.make_model import PRESETS
+    from mlxq.engine.models.make import PRESETS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama-3.2-1b", choices=sorted(PRESETS))
@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import mlx.core as mx
 
-    from mlxq.engine.make_model import build_model
-    from mlxq.engine.model_facts import model_info
+    from mlxq.engine.models.facts import model_info
+    from mlxq.engine.models.make import build_model
 
     model, _ = build_model(args.preset)
     info = model_info(model, args.preset)

@@ -132,8 +132,8 @@ def load(model: str, weights: str) -> tuple[Any, Any, str]:
     import mlx.core as mx
 
     from mlxq.engine.hardware import device_facts
-    from mlxq.engine.model_source import load_model, resolve_model
-    from mlxq.engine.weights import _dequantize, _quantized, prepare_weights
+    from mlxq.engine.models.source import load_model, resolve_model
+    from mlxq.engine.models.weights import _dequantize, _quantized, prepare_weights
 
     loaded, tokenizer = load_model(model, resolve_model(model))
     facts = device_facts()

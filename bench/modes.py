@@ -183,7 +183,7 @@ def run_mlxq(
     time (``Engine.stats()``), so prompt tokens taken from the prefix cache count too.
     """
     from mlxq.broker.batches import connect, iter_batch_results, submit
-    from mlxq.engine.model_facts import model_info
+    from mlxq.engine.models.facts import model_info
     from mlxq.engine.protocol import BatchEngine
     from mlxq.engine.runner import Runner
     from mlxq.wire import Request

@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     common.use_openblas()
-    from mlxq.engine.make_model import build_model
+    from mlxq.engine.models.make import build_model
 
     model = build_model(args.preset, seed=SEED)[0]
     tokenizer = common.preset_tokenizer()

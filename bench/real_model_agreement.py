@@ -89,7 +89,7 @@ def main() -> None:
     args = p.parse_args()
     common.use_openblas()
     common.quiet_logs()
-    from mlxq.engine.slot_choices import SORT_ENV
+    from mlxq.engine.slots.choices import SORT_ENV
 
     model, tokenizer, facts = common.load_as_worker(args.model)
     reqs = requests(args.requests, args.max_tokens)

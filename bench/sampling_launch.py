@@ -41,7 +41,7 @@ class _TableHook:
         self.table, self.index = table, index
 
     def process(self, logits: Any, keys: list[str]) -> Any:
-        from mlxq.engine.device_masks import DeviceMasks
+        from mlxq.engine.constraints.device_masks import DeviceMasks
 
         return DeviceMasks(self.table.copy(), self.index).apply(logits)
 
@@ -51,8 +51,8 @@ def builders(rows: int, vocab: int, distinct: int) -> dict[str, Callable[[Any], 
     import numpy as np
     from mlx_lm.sample_utils import make_sampler
 
-    from mlxq.engine.device_masks import DeviceMasks
-    from mlxq.engine.slot_decode import Row, sample
+    from mlxq.engine.constraints.device_masks import DeviceMasks
+    from mlxq.engine.slots.decode import Row, sample
 
     rng = np.random.default_rng(0)
     words = (vocab + 31) // 32

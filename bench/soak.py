@@ -25,7 +25,7 @@ reexec_with_openblas()
 import mlx.core as mx  # noqa: E402
 
 from mlxq.broker import batches as q  # noqa: E402
-from mlxq.engine.make_model import make_model  # noqa: E402
+from mlxq.engine.models.make import make_model  # noqa: E402
 from mlxq.server import embedded  # noqa: E402
 from mlxq.wire import Request  # noqa: E402
 from mlxq.worker.launch import run_worker  # noqa: E402

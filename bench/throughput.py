@@ -66,9 +66,9 @@ from workloads import SEED, Workload, make_workload
 def load(args: argparse.Namespace) -> tuple[Any, Any, str]:
     """``(model, tokenizer, name)``: a random-weight preset built in memory, or ``--model``;
     quantized with ``--quantize``, then in the weight format mlxq's worker would pick
-    (``--dequantize``, :func:`mlxq.engine.weights.prepare_weights`) for every mode."""
+    (``--dequantize``, :func:`mlxq.engine.models.weights.prepare_weights`) for every mode."""
     from mlxq.engine.hardware import device_facts
-    from mlxq.engine.weights import prepare_weights
+    from mlxq.engine.models.weights import prepare_weights
 
     if args.model:
         import mlx_lm
@@ -76,7 +76,7 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, str]:
         model, tokenizer = mlx_lm.load(args.model)[:2]
         name = Path(args.model.rstrip("/")).name or args.model
     else:
-        from mlxq.engine.make_model import build_model
+        from mlxq.engine.models.make import build_model
 
         model, _ = build_model(args.preset, seed=SEED)
         tokenizer, name = preset_tokenizer(), args.preset
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_logs()
 
-    from mlxq.engine.model_facts import model_info
+    from mlxq.engine.models.facts import model_info
     from mlxq.engine.scheduler import auto_prefill_batch
 
     clock = Stopwatch()
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             for wl in workloads
         }
 
-        from mlxq.engine.fused_projections import unfuse_projections
+        from mlxq.engine.models.fused_projections import unfuse_projections
 
         def run_one(wl: Workload, v: Variant) -> ModeResult:
             result = _run_mode(wl, v.mode, v.cache_bytes, sizes[v.size])

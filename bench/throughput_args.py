@@ -17,7 +17,7 @@ REALISTIC = ("varied", "varied-twin", "mixed", "mixed-twin")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options of a throughput run, checked (``--modes``, ``--workload`` expanded)."""
-    from mlxq.engine.make_model import PRESETS
+    from mlxq.engine.models.make import PRESETS
 
     ap = argparse.ArgumentParser(
         description="Generation throughput: naive, batch_generate, raw BatchGenerator, mlxq.",

@@ -35,7 +35,7 @@ def conn(valkey_url: str) -> Iterator[redis.Redis]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder with the random-weight ``tiny`` preset (seed 0), made once per session."""
-    from mlxq.engine.make_model import make_model
+    from mlxq.engine.models.make import make_model
 
     return make_model(tmp_path_factory.mktemp("models") / "tiny", "tiny")
 

@@ -54,7 +54,7 @@ def fetch_gguf() -> Path:
 @pytest.fixture(scope="session")
 def smollm_gguf() -> Iterator[str]:
     """The GGUF's path, as ``--model`` takes it; converted copies go to the test cache."""
-    from mlxq.engine.gguf_model import CACHE_ENV as CONVERTED_ENV
+    from mlxq.engine.models.gguf import CACHE_ENV as CONVERTED_ENV
 
     path = str(fetch_gguf())
     before = os.environ.get(CONVERTED_ENV)
@@ -73,8 +73,8 @@ def smollm(smollm_gguf: str) -> tuple[Any, Any]:
     """``(model, tokenizer)`` loaded as ``mlxq worker --model <gguf>`` loads it: converted,
     then in the weight format this backend's decision picks."""
     from mlxq.engine.hardware import device_facts
-    from mlxq.engine.model_source import load_model, resolve_model
-    from mlxq.engine.weights import prepare_weights
+    from mlxq.engine.models.source import load_model, resolve_model
+    from mlxq.engine.models.weights import prepare_weights
 
     model, tokenizer = load_model(smollm_gguf, resolve_model(smollm_gguf))
     facts = device_facts()

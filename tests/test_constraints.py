@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from mlxq.engine.constraint_hook import ConstraintHook
-from mlxq.engine.constraints import ConstraintBatch, Grammars, make_lltokenizer
+from mlxq.engine.constraints.batch import ConstraintBatch, Grammars, make_lltokenizer
+from mlxq.engine.constraints.slot_hook import ConstraintHook
 from mlxq.engine.mlx_lm_batch import Completion, Engine, EngineJob
 from mlxq.formats.constraints import grammar_of
 from mlxq.wire import (

@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxq.engine import device_masks
-from mlxq.engine.device_masks import DeviceMasks, apply_masks, unpack_masks
+from mlxq.engine.constraints import device_masks
+from mlxq.engine.constraints.device_masks import DeviceMasks, apply_masks, unpack_masks
 
 
 def test_masks_unpack_to_the_allowed_tokens():

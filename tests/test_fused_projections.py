@@ -20,10 +20,11 @@ from engine_reference import REQUESTS, check_against_reference, run_all
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxq.engine import fused_projections, slot_choices
-from mlxq.engine.fused_projections import Part, fuse_projections
-from mlxq.engine.make_model import build_model, make_model
-from mlxq.engine.slot_engine import SlotEngine
+from mlxq.engine.models import fused_projections
+from mlxq.engine.models.fused_projections import Part, fuse_projections
+from mlxq.engine.models.make import build_model, make_model
+from mlxq.engine.slots import choices as slot_choices
+from mlxq.engine.slots.engine import SlotEngine
 
 FAMILIES = ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma3", "tiny-phi3"]
 

@@ -18,10 +18,10 @@ from gguf import GGUFWriter, dequantize, quantize
 from mlx.utils import tree_flatten
 
 from mlxq.broker.keys import queue_name_for_model
-from mlxq.engine import gguf_model
-from mlxq.engine.gguf_quant import EXACT, REQUANT_BITS, Quantized, convert
-from mlxq.engine.make_model import BOS_ID, CHAT_TEMPLATE, EOS_IDS, build_model, build_tokenizer
-from mlxq.engine.model_source import ModelError, resolve_model
+from mlxq.engine.models import gguf as gguf_model
+from mlxq.engine.models.gguf_quant import EXACT, REQUANT_BITS, Quantized, convert
+from mlxq.engine.models.make import BOS_ID, CHAT_TEMPLATE, EOS_IDS, build_model, build_tokenizer
+from mlxq.engine.models.source import ModelError, resolve_model
 
 BLOCK_BYTES = {Q.Q6_K: 210, Q.Q3_K: 110}
 # Where each type keeps its float16 scale (and minimum): (byte offset, how many).

@@ -11,7 +11,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
-from mlxq.engine import make_model as mm
+from mlxq.engine.models import make as mm
 
 
 def _greedy(model, tokens: list[int], n: int) -> list[int]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mlxq.engine import mask_table
-from mlxq.engine.mask_table import distinct_rows
+from mlxq.engine.constraints import mask_table
+from mlxq.engine.constraints.mask_table import distinct_rows
 
 
 @pytest.mark.parametrize("width", [1, 7, 16, 4008])

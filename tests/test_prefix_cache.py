@@ -11,7 +11,7 @@ from engine_reference import FlakyModel, reference, run_all
 from mlx_lm.models.cache import KVCache
 
 from mlxq.engine.mlx_lm_batch import Completion, Engine, EngineJob
-from mlxq.engine.prefix_cache import DEFAULT_BLOCK, PrefixCache
+from mlxq.engine.slots.prefix_cache import DEFAULT_BLOCK, PrefixCache
 from mlxq.wire import Request
 
 # -- bookkeeping, no model: blocks of 4 tokens, payloads are labels of 100 bytes ----------

@@ -190,7 +190,10 @@ def test_rows_sorted_often_keep_mlx_lm_s_tokens(smollm, monkeypatch) -> None:  #
     """Issue 31: a sort moved live rows into the slots of rows that had just ended on EOS
     and fed them a one-step-old token ("can help help protect"). Small attention groups and
     a sort at every step make moves constant; every answer must stay mlx-lm's."""
-    from mlxq.engine import slot_choices, slot_decode, slot_engine, slot_order
+    from mlxq.engine.slots import choices as slot_choices
+    from mlxq.engine.slots import decode as slot_decode
+    from mlxq.engine.slots import engine as slot_engine
+    from mlxq.engine.slots import order as slot_order
 
     model, tokenizer = smollm
     monkeypatch.setattr(slot_decode, "GROUP_ROWS", 2)

@@ -12,11 +12,13 @@ import mlx.core as mx
 import pytest
 from engine_reference import REQUESTS, check_against_reference, reference, run_all
 
-from mlxq.engine import slot_choices, slot_decode, slot_engine
-from mlxq.engine.attention import gqa_decode
 from mlxq.engine.sampling import EngineJob
-from mlxq.engine.slot_cache import SlotCache, SlotLayer
-from mlxq.engine.slot_engine import SlotEngine
+from mlxq.engine.slots import choices as slot_choices
+from mlxq.engine.slots import decode as slot_decode
+from mlxq.engine.slots import engine as slot_engine
+from mlxq.engine.slots.attention import gqa_decode
+from mlxq.engine.slots.cache import SlotCache, SlotLayer
+from mlxq.engine.slots.engine import SlotEngine
 from mlxq.wire import Request
 
 
@@ -58,8 +60,8 @@ def test_the_compiled_forward_takes_lazily_built_model_arrays_as_constants() -> 
     import io
     import re
 
-    from mlxq.engine import mlx_lm_seam
-    from mlxq.engine.make_model import build_model
+    from mlxq.engine.models import mlx_lm_seam
+    from mlxq.engine.models.make import build_model
 
     model, _ = build_model("tiny-phi3")
     mlx_lm_seam.install(model)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import test_constraints as base
 
-from mlxq.engine import slot_choices
-from mlxq.engine.slot_engine import SlotEngine
+from mlxq.engine.slots import choices as slot_choices
+from mlxq.engine.slots.engine import SlotEngine
 
 
 @pytest.fixture(params=["0", "1"], ids=["eager", "compiled"])

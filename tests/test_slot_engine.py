@@ -19,15 +19,18 @@ import test_engine as base
 from engine_reference import REQUESTS, FlakyModel, check_against_reference, reference, run_all
 from mlx_lm.utils import load_tokenizer
 
-from mlxq.engine import slot_choices, slot_decode, slot_engine, slot_order
-from mlxq.engine.attention import KERNELS, choose_kernel, fused_decode, gqa_decode
 from mlxq.engine.factory import make_engine
 from mlxq.engine.mlx_lm_batch import Engine
 from mlxq.engine.protocol import BatchEngine
 from mlxq.engine.sampling import EngineJob
-from mlxq.engine.slot_engine import SlotEngine
-from mlxq.engine.slot_joins import JoinPolicy
-from mlxq.engine.slot_order import sorted_order, span_groups
+from mlxq.engine.slots import choices as slot_choices
+from mlxq.engine.slots import decode as slot_decode
+from mlxq.engine.slots import engine as slot_engine
+from mlxq.engine.slots import order as slot_order
+from mlxq.engine.slots.attention import KERNELS, choose_kernel, fused_decode, gqa_decode
+from mlxq.engine.slots.engine import SlotEngine
+from mlxq.engine.slots.joins import JoinPolicy
+from mlxq.engine.slots.order import sorted_order, span_groups
 from mlxq.wire import Request
 
 

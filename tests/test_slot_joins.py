@@ -6,7 +6,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from mlxq.engine.slot_joins import JoinPolicy, Waiting, join_due, pick_group, similar
+from mlxq.engine.slots.joins import JoinPolicy, Waiting, join_due, pick_group, similar
 
 
 @dataclass
@@ -103,7 +103,7 @@ def test_pick_group_sizes_a_group_on_the_tokens_it_prefills() -> None:
 def test_the_policy_modules_import_no_mlx() -> None:
     """Scheduling policy is plain Python: importing it loads no MLX."""
     code = (
-        "import sys; import mlxq.engine.slot_joins, mlxq.engine.slot_order, "
+        "import sys; import mlxq.engine.slots.joins, mlxq.engine.slots.order, "
         "mlxq.engine.scheduler; "
         "sys.exit(any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules))"
     )

@@ -14,8 +14,8 @@ from engine_reference import reference, run_all
 
 from mlxq.engine.sampling import EngineJob
 from mlxq.engine.scheduler import Scheduler, cache_rows
-from mlxq.engine.slot_cache import SlotCache
-from mlxq.engine.slot_engine import SlotEngine
+from mlxq.engine.slots.cache import SlotCache
+from mlxq.engine.slots.engine import SlotEngine
 from mlxq.wire import Request
 
 LONG = Request(prompt=[5 + (i * 7) % 400 for i in range(1500)], max_tokens=16)

@@ -13,16 +13,16 @@ import pytest
 from engine_reference import REQUESTS, check_against_reference, run_all
 from mlx_lm.generate import generate_step
 
-from mlxq.engine import slot_choices
 from mlxq.engine.factory import make_engine
 from mlxq.engine.mlx_lm_batch import Engine
-from mlxq.engine.slot_cache import SlotCache
-from mlxq.engine.slot_engine import SlotEngine
+from mlxq.engine.slots import choices as slot_choices
+from mlxq.engine.slots.cache import SlotCache
+from mlxq.engine.slots.engine import SlotEngine
 
 
 @pytest.fixture(scope="module")
 def wide_heads(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    from mlxq.engine.make_model import make_model
+    from mlxq.engine.models.make import make_model
 
     return mlx_lm.load(str(make_model(tmp_path_factory.mktemp("wide"), "tiny-wide-heads")))
 
@@ -90,7 +90,7 @@ def test_kv_bits_that_cannot_be_honoured_are_refused(tiny) -> None:
 
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Any]]:
-    from mlxq.engine.make_model import make_model
+    from mlxq.engine.models.make import make_model
 
     root = tmp_path_factory.mktemp("families")
     presets = ("tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-phi3", "tiny-gemma3")

@@ -13,7 +13,7 @@ from engine_reference import REQUESTS, check_against_reference, reference, run_a
 from mlxq.engine.mlx_lm_batch import Engine
 from mlxq.engine.sampling import EngineJob
 from mlxq.engine.scheduler import Scheduler
-from mlxq.engine.slot_engine import SlotEngine
+from mlxq.engine.slots.engine import SlotEngine
 from mlxq.wire import Request
 
 

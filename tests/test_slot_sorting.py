@@ -21,10 +21,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.utils import load_tokenizer
 
-from mlxq.engine import slot_choices, slot_decode, slot_engine, slot_order
-from mlxq.engine.slot_cache import SlotCache
-from mlxq.engine.slot_decode import Row, Step, move_rows, step_inputs
-from mlxq.engine.slot_engine import SlotEngine
+from mlxq.engine.slots import choices as slot_choices
+from mlxq.engine.slots import decode as slot_decode
+from mlxq.engine.slots import engine as slot_engine
+from mlxq.engine.slots import order as slot_order
+from mlxq.engine.slots.cache import SlotCache
+from mlxq.engine.slots.decode import Row, Step, move_rows, step_inputs
+from mlxq.engine.slots.engine import SlotEngine
 from mlxq.wire import Request
 
 ROWS = 256

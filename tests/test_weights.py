@@ -11,8 +11,8 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from mlxq.engine.make_model import build_model
-from mlxq.engine.weights import dequantized_bytes, prepare_weights
+from mlxq.engine.models.make import build_model
+from mlxq.engine.models.weights import dequantized_bytes, prepare_weights
 
 
 def quantized_tiny() -> nn.Module:

@@ -11,8 +11,8 @@ from engine_reference import reference
 
 from mlxq.engine.mlx_lm_batch import Completion
 from mlxq.engine.sampling import EngineJob
-from mlxq.engine.slot_choices import BUCKETS_ENV, COMPILE_ENV, OVERLAP_ENV
-from mlxq.engine.slot_engine import SlotEngine
+from mlxq.engine.slots.choices import BUCKETS_ENV, COMPILE_ENV, OVERLAP_ENV
+from mlxq.engine.slots.engine import SlotEngine
 from mlxq.wire import Request
 
 JOBS = 300

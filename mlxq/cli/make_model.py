@@ -23,8 +23,8 @@ from mlxq.wire import json_encoder
 @click.option("--json", "as_json", is_flag=True, help="Print the path and shape as JSON.")
 def make_model_cmd(dest: Path, preset: str, seed: int, as_json: bool) -> None:
     """Write a random-weight model that mlx_lm.load reads (offline tests and benchmarks)."""
-    from mlxq.engine.make_model import PRESETS, make_model
-    from mlxq.engine.model_source import resolve_model
+    from mlxq.engine.models.make import PRESETS, make_model
+    from mlxq.engine.models.source import resolve_model
 
     if preset not in PRESETS:
         fail(f"unknown preset {preset!r}; choose one of {', '.join(sorted(PRESETS))}")

@@ -1,6 +1,6 @@
 """Which engine runs a model: the slot engine where it can, else ``BatchGenerator``'s.
 
-The slot engine (:mod:`mlxq.engine.slot_engine`) needs a plain KV cache per layer; models
+The slot engine (:mod:`mlxq.engine.slots.engine`) needs a plain KV cache per layer; models
 with sliding-window layers (gemma3), SSM state (hybrids) or latent (MLA) caches run on
 the ``BatchGenerator`` engine (:mod:`mlxq.engine.mlx_lm_batch`), with one log line saying
 so. ``MLXQ_ENGINE=batch_generator`` (or ``engine="batch_generator"``) forces the fallback.
@@ -14,10 +14,10 @@ from typing import Any
 
 import mlx.nn as nn
 
-from mlxq.engine import mlx_lm_seam
 from mlxq.engine.mlx_lm_batch import Engine
+from mlxq.engine.models import mlx_lm_seam
 from mlxq.engine.protocol import BatchEngine
-from mlxq.engine.slot_engine import SlotEngine
+from mlxq.engine.slots.engine import SlotEngine
 
 log = logging.getLogger("mlxq.engine")
 ENGINE_ENV = "MLXQ_ENGINE"

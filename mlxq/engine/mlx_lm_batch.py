@@ -7,7 +7,7 @@ tokens end a job (and are not part of its output). A job that cannot run fails a
 and an error inside the model fails the jobs in the batch but not the engine.
 
 With ``prefix_cache_bytes``, jobs start from the stored KV cache of a recurring prompt
-prefix and prefill only the rest (:mod:`mlxq.engine.prefix_cache`): ``add`` then queues a job,
+prefix and prefill only the rest (:mod:`mlxq.engine.slots.prefix_cache`): ``add`` then queues a job,
 and the next ``step`` plans its reuse, once a burst of jobs has been counted.
 """
 
@@ -24,10 +24,9 @@ import mlx_lm
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
-from mlxq.engine.constraints import logits_width
-from mlxq.engine.constraints_mlx_lm import BatchGeneratorConstraints
-from mlxq.engine.model_facts import model_info
-from mlxq.engine.prefix_cache import Plan, make_prefix_cache
+from mlxq.engine.constraints.batch import logits_width
+from mlxq.engine.constraints.mlx_lm_hook import BatchGeneratorConstraints
+from mlxq.engine.models.facts import model_info
 from mlxq.engine.prompts import JobInputError, PromptEncoder, error_line
 from mlxq.engine.protocol import warm_up
 from mlxq.engine.sampling import (
@@ -38,6 +37,7 @@ from mlxq.engine.sampling import (
     make_job_sampler,
     token_logprobs,
 )
+from mlxq.engine.slots.prefix_cache import Plan, make_prefix_cache
 from mlxq.engine.stats import EngineStats, add_work
 from mlxq.formats.constraints import ConstraintError
 from mlxq.wire import FinishReason, Request, TokenLogprob
@@ -59,7 +59,7 @@ class Engine:
         """Load ``model`` (a local folder or hub id) with ``mlx_lm.load``.
 
         ``prefix_cache_bytes`` > 0 keeps the KV cache of recurring prompt prefixes, up to
-        that many bytes, and starts later jobs from it (see :mod:`mlxq.engine.prefix_cache`).
+        that many bytes, and starts later jobs from it (see :mod:`mlxq.engine.slots.prefix_cache`).
         """
         loaded, tokenizer = mlx_lm.load(model, adapter_path=adapter_path)
         sizes = {"max_batch": max_batch, "prefill_batch": prefill_batch}

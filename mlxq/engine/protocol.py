@@ -2,7 +2,7 @@
 
 The :class:`~mlxq.engine.runner.Runner` and the worker use an engine only through
 :class:`BatchEngine`. Three implementations satisfy it: the slot engine
-(:mod:`mlxq.engine.slot_engine`, the default), the ``BatchGenerator`` engine
+(:mod:`mlxq.engine.slots.engine`, the default), the ``BatchGenerator`` engine
 (:mod:`mlxq.engine.mlx_lm_batch`, the fallback for caches the slot engine cannot hold)
 and the model-free stub of ``bench/queue_overhead.py``. ``tests/test_protocol.py``
 checks all three against it.

@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler
 
-from mlxq.engine.prefix_cache import Plan
+from mlxq.engine.slots.prefix_cache import Plan
 from mlxq.wire import Choice, FinishReason, Request, TokenLogprob, TopLogprob
 
 Sampler = Callable[[mx.array], mx.array]

@@ -2,7 +2,7 @@
 
 The KV cache of a running job grows to (prompt + max_tokens) tokens, each costing
 ``kv_bytes_per_token``. The batch's cache is one rectangle: a row per job, every row as
-long as the longest (the slot cache, :mod:`mlxq.engine.slot_cache`, holds at most
+long as the longest (the slot cache, :mod:`mlxq.engine.slots.cache`, holds at most
 :func:`cache_rows` rows for the jobs admitted, in positions rounded up to
 :data:`CACHE_STEP`; mlx-lm's batch cache pads to the longest too). The scheduler admits
 a job only while that rectangle at the admitted jobs' worst case,

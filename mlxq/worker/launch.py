@@ -11,12 +11,12 @@ import redis
 
 from mlxq.engine.factory import make_engine
 from mlxq.engine.hardware import DeviceFacts
-from mlxq.engine.model_facts import model_info
-from mlxq.engine.model_source import check_adapter, load_model, resolve_model
+from mlxq.engine.models.facts import model_info
+from mlxq.engine.models.source import check_adapter, load_model, resolve_model
+from mlxq.engine.models.weights import prepare_weights
 from mlxq.engine.protocol import BatchEngine
 from mlxq.engine.runner import Runner
 from mlxq.engine.scheduler import Scheduler
-from mlxq.engine.weights import prepare_weights
 from mlxq.errors import StartupError, one_line
 from mlxq.wire import Result
 from mlxq.worker import sharing

@@ -6,8 +6,8 @@ written as an mlx-lm folder (config.json, model.safetensors, tokenizer files) in
 modification time, so the next start loads that folder directly. The conversion maps the
 architecture to mlx-lm's model class, renames the tensors, undoes llama.cpp's permutation of
 the q and k rows (for its interleaved rotary layout) on weights, scales and biases alike, and
-keeps the quantized blocks in MLX's affine layout (:mod:`mlxq.engine.gguf_quant`); the
-tokenizer and chat template come from the metadata (:mod:`mlxq.engine.gguf_tokenizer`).
+keeps the quantized blocks in MLX's affine layout (:mod:`mlxq.engine.models.gguf_quant`); the
+tokenizer and chat template come from the metadata (:mod:`mlxq.engine.models.gguf_tokenizer`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from mlxq.engine.gguf_quant import Quantized, convert
+from mlxq.engine.models.gguf_quant import Quantized, convert
 
 log = logging.getLogger("mlxq.engine")
 CACHE_ENV = "MLXQ_GGUF_CACHE"
@@ -110,7 +110,7 @@ def write_folder(path: Path, folder: Path) -> None:
     import mlx.core as mx
     from gguf import GGUFReader
 
-    from mlxq.engine.gguf_tokenizer import write_tokenizer
+    from mlxq.engine.models.gguf_tokenizer import write_tokenizer
 
     reader = GGUFReader(str(path))
     meta = Metadata(reader)

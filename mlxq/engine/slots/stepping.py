@@ -1,8 +1,8 @@
 """How the slot engine runs a decode step: launch it, do the last one's bookkeeping meanwhile.
 
-A mixin of :class:`~mlxq.engine.slot_engine.SlotEngine` (the engine's state is its own),
-as :mod:`mlxq.engine.slot_joining` is for joins; the step itself (inputs, forward,
-sampling) is :mod:`mlxq.engine.slot_decode`.
+A mixin of :class:`~mlxq.engine.slots.engine.SlotEngine` (the engine's state is its own),
+as :mod:`mlxq.engine.slots.joining` is for joins; the step itself (inputs, forward,
+sampling) is :mod:`mlxq.engine.slots.decode`.
 
 Free steps are built and launched whole while the last one computes. A step whose rows
 need host tokens to sample (hooks that act, such as constraints; per-row processors) is
@@ -25,10 +25,10 @@ import mlx.core as mx
 
 from mlxq.engine.prompts import error_line
 from mlxq.engine.sampling import Completion, StreamChunk
-from mlxq.engine.slot_decode import Row, Step, TraceFailed, run_forward, sample_step
+from mlxq.engine.slots.decode import Row, Step, TraceFailed, run_forward, sample_step
 from mlxq.wire import FinishReason
 
-log = logging.getLogger("mlxq.engine.slot_engine")
+log = logging.getLogger("mlxq.engine.slots.engine")
 
 
 @dataclass
@@ -233,7 +233,7 @@ class Stepping:
         self, slot: int, reason: FinishReason, error: str | None = None
     ) -> list[Completion]:
         """End the row in ``slot``: its job's Completion, or none while other samples of
-        its job still run (:mod:`~mlxq.engine.slot_samples`)."""
+        its job still run (:mod:`~mlxq.engine.slots.samples`)."""
         row = self._rows.pop(slot)
         run = row.run
         del self._keys[run.job.key]

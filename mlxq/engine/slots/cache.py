@@ -11,7 +11,7 @@ bookkeeping only: no tensor work, no device sync; the next owner overwrites it.
   at each row's own length) and attends over each *group* of rows up to that group's
   longest row (:class:`DecodeState`), so short rows do not pay for the batch's longest.
 - **Sorting** (:meth:`SlotCache.permute`) moves the live rows into a new slot order,
-  when :mod:`mlxq.engine.slot_order` says it pays: one gather per layer.
+  when :mod:`mlxq.engine.slots.order` says it pays: one gather per layer.
 - **Size** follows the work: the arrays hold ``rows`` rows (allocated at the first write,
   up to ``slots``) of ``capacity`` positions, in steps of ``step``; :meth:`SlotCache.resize`
   lays them out anew (rows packed at the front, as the engine asks: grown as jobs join,
@@ -22,7 +22,7 @@ bookkeeping only: no tensor work, no device sync; the next owner overwrites it.
 :class:`SlotLayer` is the cache object mlx-lm's model modules see during decode: they read
 ``offset`` (each row's position, an array: RoPE takes per-row offsets), call
 ``update_and_fetch`` and ``make_mask``; the attention call itself reaches
-:meth:`SlotLayer.attend` through :mod:`mlxq.engine.mlx_lm_seam`.
+:meth:`SlotLayer.attend` through :mod:`mlxq.engine.models.mlx_lm_seam`.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxq.engine.attention import Kernel
 from mlxq.engine.scheduler import CACHE_STEP, cache_positions
-from mlxq.engine.slot_order import SPAN_ROUND, span_groups
+from mlxq.engine.slots.attention import Kernel
+from mlxq.engine.slots.order import SPAN_ROUND, span_groups
 
 # A layer's keys (or values): one array, or with ``bits`` the parts of ``mx.quantize``
 # (packed ints, scales, biases), each ``[slots, kv_heads, capacity, *]``.

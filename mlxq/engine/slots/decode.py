@@ -23,11 +23,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxq.engine.attention import Kernel
 from mlxq.engine.protocol import BatchLogitsHook
 from mlxq.engine.sampling import RunningJob, Sampler, token_logprobs
-from mlxq.engine.slot_cache import DecodeState, SlotCache, SlotLayer
-from mlxq.engine.slot_samples import Samples
+from mlxq.engine.slots.attention import Kernel
+from mlxq.engine.slots.cache import DecodeState, SlotCache, SlotLayer
+from mlxq.engine.slots.samples import Samples
 from mlxq.wire import TokenLogprob
 
 # Rows per attention group (each attends up to its own longest row).
@@ -145,7 +145,7 @@ def run_forward(
     """The model's part of a decode step of ``rows`` (slot order): their logits, lazily.
 
     Inputs of rows in ``prev`` come from its sampled tokens on the device; ``saving``: see
-    :class:`~mlxq.engine.slot_choices.DecodeChoices`; with ``forward`` the model runs
+    :class:`~mlxq.engine.slots.choices.DecodeChoices`; with ``forward`` the model runs
     compiled over every row of the cache. Advances each row's cache length by one.
     """
     width = cache.rows if forward is not None else rows[-1].slot + 1
@@ -201,7 +201,7 @@ def _gathered_inputs(
 
 def move_rows(rows: dict[int, Row], order: list[int]) -> dict[int, Row]:
     """The rows by their new slot after slot ``order[i]`` moved to slot ``i`` (as
-    :meth:`~mlxq.engine.slot_cache.SlotCache.permute` moves their cache); each row's
+    :meth:`~mlxq.engine.slots.cache.SlotCache.permute` moves their cache); each row's
     ``slot`` follows. A step in flight still finds them: it goes by identity."""
     moved = {}
     for slot, old in enumerate(order):

@@ -4,9 +4,9 @@
 by content) and hands out a fresh :class:`JobConstraint` per job. :class:`ConstraintBatch`
 holds a batch's constrained rows: once per decode step it advances their matchers by the
 tokens just sampled (``accept``) and fills all their masks in one ``LLExecutor`` call, in
-parallel threads off the GIL (``masks``); :mod:`~mlxq.engine.device_masks` then applies
+parallel threads off the GIL (``masks``); :mod:`~mlxq.engine.constraints.device_masks` then applies
 them to the logits on the device. Rows without a constraint are never touched. The slot
-engine drives it through :mod:`~mlxq.engine.constraint_hook` (a helper thread).
+engine drives it through :mod:`~mlxq.engine.constraints.slot_hook` (a helper thread).
 
 A matcher that fails (its grammar hit a resource limit, or a token it cannot take) is
 recorded in ``ConstraintBatch.failures`` for the engine to fail that job alone; its row
@@ -26,8 +26,8 @@ import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 
-from mlxq.engine.device_masks import DeviceMasks
-from mlxq.engine.mask_table import distinct_rows
+from mlxq.engine.constraints.device_masks import DeviceMasks
+from mlxq.engine.constraints.mask_table import distinct_rows
 from mlxq.formats.constraints import ConstraintError, constraint_key, grammar_of
 from mlxq.wire import ResponseFormat
 

@@ -6,7 +6,7 @@ one by one (as EOS makes them) join in groups of every size and length, so witho
 rounding almost every call is a new shape. Rounded, a worker meets a few dozen shapes
 and then reuses them; the padding costs compute, which a host-bound GPU has to spare.
 
-Plain Python (no MLX): :mod:`mlxq.engine.slot_prefill` pads to these sizes.
+Plain Python (no MLX): :mod:`mlxq.engine.slots.prefill` pads to these sizes.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ EOS_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id")
 
 def write_tokenizer(meta: Any, folder: Path) -> dict[str, Any]:
     """Write tokenizer.json and tokenizer_config.json for ``meta`` (a
-    :class:`mlxq.engine.gguf_model.Metadata`) into ``folder``; the config.json entries it
+    :class:`mlxq.engine.models.gguf.Metadata`) into ``folder``; the config.json entries it
     implies (EOS and BOS ids)."""
     kind = meta.get("tokenizer.ggml.model")
     tokens = [str(t) for t in meta.get("tokenizer.ggml.tokens")]

@@ -3,11 +3,11 @@
 Same contract as the ``BatchGenerator`` engine (:class:`~mlxq.engine.protocol.BatchEngine`;
 per-job samplers, seeds, repetition penalty, stop strings, logprobs, streaming, cancel,
 ``max_tokens``, EOS), without its whole-cache copies: every job owns a slot of
-:class:`~mlxq.engine.slot_cache.SlotCache`. A finished job frees its slot with no tensor
+:class:`~mlxq.engine.slots.cache.SlotCache`. A finished job frees its slot with no tensor
 work. Joining jobs wait until a group of them is worth a prefill call
-(:mod:`mlxq.engine.slot_joins`, seated by :mod:`mlxq.engine.slot_joining`), are prefilled
-as their own batch (:mod:`mlxq.engine.slot_prefill`) and written into free slots; each decode step
-(:mod:`mlxq.engine.slot_decode`, run by :mod:`mlxq.engine.slot_stepping`) then feeds every
+(:mod:`mlxq.engine.slots.joins`, seated by :mod:`mlxq.engine.slots.joining`), are prefilled
+as their own batch (:mod:`mlxq.engine.slots.prefill`) and written into free slots; each decode step
+(:mod:`mlxq.engine.slots.decode`, run by :mod:`mlxq.engine.slots.stepping`) then feeds every
 row one token at its own position.
 
 Per-step logits processing over the whole batch: ``hooks``, see
@@ -20,11 +20,11 @@ a lone long job costs what it costs in mlx-lm; the scheduler admits jobs against
 same shape (:mod:`mlxq.engine.scheduler`).
 
 With ``prefix_cache_bytes``, a job starts from the stored KV of a recurring prompt prefix
-(:mod:`mlxq.engine.prefix_cache`): the prefix is written into its group's rows and only
+(:mod:`mlxq.engine.slots.prefix_cache`): the prefix is written into its group's rows and only
 the rest is prefilled; a job whose prefix recurs stores it from its rows after prefill.
 
 A job of ``n`` samples is prefilled once and decodes in ``n`` rows, each sample with its
-own seed, stop strings and finish (:mod:`mlxq.engine.slot_samples`); it completes when
+own seed, stop strings and finish (:mod:`mlxq.engine.slots.samples`); it completes when
 the last sample ends, and a cancel ends them all.
 """
 
@@ -38,12 +38,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxq.engine import mlx_lm_seam, slot_decode
-from mlxq.engine.constraint_hook import ConstraintHook
-from mlxq.engine.fused_projections import fuse_projections
+from mlxq.engine.constraints.slot_hook import ConstraintHook
 from mlxq.engine.hardware import backend_name
-from mlxq.engine.model_facts import model_info
-from mlxq.engine.prefix_cache import make_prefix_cache
+from mlxq.engine.models import mlx_lm_seam
+from mlxq.engine.models.facts import model_info
+from mlxq.engine.models.fused_projections import fuse_projections
 from mlxq.engine.prompts import JobInputError, PromptEncoder, error_line
 from mlxq.engine.protocol import BatchLogitsHook, warm_up
 from mlxq.engine.sampling import (
@@ -53,22 +52,24 @@ from mlxq.engine.sampling import (
     StreamChunk,
 )
 from mlxq.engine.scheduler import cache_rows, grown_rows
-from mlxq.engine.slot_cache import SlotCache
-from mlxq.engine.slot_choices import DecodeChoices
-from mlxq.engine.slot_decode import (
+from mlxq.engine.slots import decode as slot_decode
+from mlxq.engine.slots.cache import SlotCache
+from mlxq.engine.slots.choices import DecodeChoices
+from mlxq.engine.slots.decode import (
     CompiledForward,
     Row,
     Step,
 )
-from mlxq.engine.slot_joining import Joining
-from mlxq.engine.slot_joins import JoinPolicy, Waiting
-from mlxq.engine.slot_order import sorted_order
-from mlxq.engine.slot_samples import Samples
-from mlxq.engine.slot_stepping import Stepping
+from mlxq.engine.slots.joining import Joining
+from mlxq.engine.slots.joins import JoinPolicy, Waiting
+from mlxq.engine.slots.order import sorted_order
+from mlxq.engine.slots.prefix_cache import make_prefix_cache
+from mlxq.engine.slots.samples import Samples
+from mlxq.engine.slots.stepping import Stepping
 from mlxq.engine.stats import EngineStats
 from mlxq.wire import Request
 
-log = logging.getLogger("mlxq.engine.slot_engine")
+log = logging.getLogger("mlxq.engine.slots.engine")
 
 # Every this many steps, see whether sorting the rows by length pays (slot_order).
 SORT_EVERY = 32
@@ -284,7 +285,7 @@ class SlotEngine(Stepping, Joining):
 
     def _sort_rows(self) -> None:
         """Move the rows into length order when that cuts attention reads enough
-        (:func:`~mlxq.engine.slot_order.sorted_order`); bookkeeping follows the rows."""
+        (:func:`~mlxq.engine.slots.order.sorted_order`); bookkeeping follows the rows."""
         lengths = {slot: self._cache.lengths[slot] for slot in self._rows}
         order = sorted_order(lengths, slot_decode.GROUP_ROWS, self.choices.saving)
         if order is None:

@@ -1,10 +1,10 @@
 """Structured outputs as the slot engine's batch logits hook, its masks filled beside it.
 
-:class:`ConstraintHook` keys a :class:`~mlxq.engine.constraints.ConstraintBatch` by job and
+:class:`ConstraintHook` keys a :class:`~mlxq.engine.constraints.batch.ConstraintBatch` by job and
 runs its per-step work (advancing the matchers by the tokens just sampled, filling the
 next masks) on one helper thread while the MLX thread launches the step's model part;
 sampling then waits for the masks. (mlx-lm's ``BatchGenerator`` has its own adapter,
-:mod:`~mlxq.engine.constraints_mlx_lm`.)
+:mod:`~mlxq.engine.constraints.mlx_lm_hook`.)
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxq.engine.constraints import ConstraintBatch, Grammars, Prepared, logits_width
+from mlxq.engine.constraints.batch import ConstraintBatch, Grammars, Prepared, logits_width
 from mlxq.formats.constraints import ConstraintError
 
 

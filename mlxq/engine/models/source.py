@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from mlxq.engine.gguf_model import converted_folder, is_gguf
+from mlxq.engine.models.gguf import converted_folder, is_gguf
 from mlxq.errors import StartupError, one_line
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -58,7 +58,7 @@ def resolve_model(name: str) -> Path:
 
 
 def gguf_folder(path: Path, name: str) -> Path:
-    """The mlx-lm folder converted from GGUF file ``path`` (see :mod:`mlxq.engine.gguf_model`)."""
+    """The mlx-lm folder converted from GGUF file ``path`` (see :mod:`mlxq.engine.models.gguf`)."""
     if not path.is_file():
         raise ModelError(f"model {name}: no such GGUF file; check the path")
     try:

@@ -24,8 +24,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator
 
-from mlxq.engine.constraints import ConstraintBatch, Grammars, JobConstraint
-from mlxq.engine.device_masks import DeviceMasks
+from mlxq.engine.constraints.batch import ConstraintBatch, Grammars, JobConstraint
+from mlxq.engine.constraints.device_masks import DeviceMasks
 from mlxq.wire import ResponseFormat
 
 

@@ -1,9 +1,9 @@
 """How the slot engine seats joining jobs: plan, prefill and seat one group at a time.
 
-A mixin of :class:`~mlxq.engine.slot_engine.SlotEngine` (the engine's state is its own):
-the policy of when a group joins and which jobs it holds is :mod:`mlxq.engine.slot_joins`
-(plain Python); the prefill itself is :mod:`mlxq.engine.slot_prefill`. A job of ``n``
-samples is prefilled once and seated in ``n`` rows (:mod:`mlxq.engine.slot_samples`).
+A mixin of :class:`~mlxq.engine.slots.engine.SlotEngine` (the engine's state is its own):
+the policy of when a group joins and which jobs it holds is :mod:`mlxq.engine.slots.joins`
+(plain Python); the prefill itself is :mod:`mlxq.engine.slots.prefill`. A job of ``n``
+samples is prefilled once and seated in ``n`` rows (:mod:`mlxq.engine.slots.samples`).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
-from mlxq.engine.prefill_shapes import group_rows
 from mlxq.engine.prompts import error_line
 from mlxq.engine.sampling import Completion, RunningJob, make_job_sampler
-from mlxq.engine.slot_decode import Row
-from mlxq.engine.slot_joins import JoinPolicy, Waiting, join_due, pick_group
-from mlxq.engine.slot_prefill import prefill_group
-from mlxq.engine.slot_samples import Samples
+from mlxq.engine.slots.decode import Row
+from mlxq.engine.slots.joins import JoinPolicy, Waiting, join_due, pick_group
+from mlxq.engine.slots.prefill import prefill_group
+from mlxq.engine.slots.prefill_shapes import group_rows
+from mlxq.engine.slots.samples import Samples
 
 
 class Joining:

@@ -1,7 +1,7 @@
 """What the slot engine's decode steps run with: chosen once at start from the backend
 (each choice measured, bench/RESULTS.md), logged, and overridable from the environment.
 
-- attention: :func:`~mlxq.engine.attention.choose_kernel` (``MLXQ_DECODE_ATTENTION``), or
+- attention: :func:`~mlxq.engine.slots.attention.choose_kernel` (``MLXQ_DECODE_ATTENTION``), or
   the quantized kernel for a quantized cache (``kv_bits``);
 - overlap (``MLXQ_SLOT_OVERLAP``): build the next step while the last one runs, although
   its cache writes then copy: 1.07-1.08x on CUDA; on the CPU the copies cost 20x a step;
@@ -21,14 +21,15 @@
   than 16, and 16 faster than 32 (the queue was running dry: free slots idled longer);
 - join cost (``MLXQ_JOIN_COST``): a prefill call's fixed cost in decode steps, which the
   free slots may idle (times the batch, in slot-steps) before a group joins while every
-  free slot has a job waiting (:class:`~mlxq.engine.slot_joins.JoinPolicy`): 1 on GPUs,
+  free slot has a job waiting (:class:`~mlxq.engine.slots.joins.JoinPolicy`): 1 on GPUs,
   where a small call reads every weight as a step does; 0 (at once) on the CPU, where
   holding joins back measured no faster (0.98-1.00x, bench/RESULTS.md);
 - fused projections (``MLXQ_FUSE_PROJECTIONS=1|attention|0``, CUDA only by default): q, k
-  and v (and gate and up) as one matmul each (:mod:`~mlxq.engine.fused_projections`), because a
-  CUDA step's host time is mostly matmul launches;
+  and v (and gate and up) as one matmul each
+  (:mod:`~mlxq.engine.models.fused_projections`), because a CUDA step's host time is mostly
+  matmul launches;
 - prefill buckets (``MLXQ_PREFILL_BUCKETS``, CUDA only by default): a prefill call's rows
-  and length are rounded to a few sizes (:mod:`~mlxq.engine.prefill_shapes`), because each
+  and length are rounded to a few sizes (:mod:`~mlxq.engine.slots.prefill_shapes`), because each
   new shape first builds its kernels there.
 """
 
@@ -37,8 +38,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from mlxq.engine import fused_projections
-from mlxq.engine.attention import Kernel, choose_kernel, quantized_kernel
+from mlxq.engine.models import fused_projections
+from mlxq.engine.slots.attention import Kernel, choose_kernel, quantized_kernel
 from mlxq.wire import ModelInfo
 
 OVERLAP_ENV = "MLXQ_SLOT_OVERLAP"

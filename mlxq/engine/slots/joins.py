@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mlxq.engine.prefix_cache import Plan
     from mlxq.engine.sampling import RunningJob
+    from mlxq.engine.slots.prefix_cache import Plan
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """A job of ``n`` samples in the slot engine: one prompt, prefilled once, decoded in n rows.
 
 The job's prompt is prefilled as one row of its group; its keys and values are written
-into each of its ``n`` slots (:mod:`mlxq.engine.slot_joining`). From there every sample is
+into each of its ``n`` slots (:mod:`mlxq.engine.slots.joining`). From there every sample is
 a row of its own: its own :class:`~mlxq.engine.sampling.RunningJob` under the key
 ``"<job key>#<i>"`` (hooks such as constraints hold a matcher per sample), its own
 sampler seeded ``seed + i``, its own stop strings and finish. :class:`Samples` gathers

@@ -51,7 +51,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxq.wire import ModelInfo
 
-log = logging.getLogger("mlxq.engine.prefix_cache")
+log = logging.getLogger("mlxq.engine.slots.prefix_cache")
 Block = tuple[int, ...]
 DEFAULT_BLOCK = 16
 

@@ -6,7 +6,7 @@ through three calls: ``cache.offset`` (RoPE), ``cache.update_and_fetch(k, v)`` a
 ``scaled_dot_product_attention`` imported from ``mlx_lm.models.base`` into their own
 module. That last call is not a cache method, so :func:`install` rebinds the name in the
 model's modules to :func:`_sdpa`, which hands slot-cache layers to
-:meth:`~mlxq.engine.slot_cache.SlotLayer.attend` and passes every other cache through to
+:meth:`~mlxq.engine.slots.cache.SlotLayer.attend` and passes every other cache through to
 mlx-lm's function unchanged (other engines and plain mlx-lm calls behave as before).
 
 :func:`unsupported` says why a model cannot run on slot caches (or None): its cache must
@@ -24,7 +24,7 @@ import mlx.nn as nn
 from mlx_lm.models import base
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlxq.engine.slot_cache import SlotLayer
+from mlxq.engine.slots.cache import SlotLayer
 
 _ORIGINAL = base.scaled_dot_product_attention
 _NAME = "scaled_dot_product_attention"
