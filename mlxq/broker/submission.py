@@ -23,7 +23,7 @@ import msgspec
 import redis
 from rq import Queue, Retry
 
-from mlxq.broker import keys
+from mlxq.broker import keys, routing
 from mlxq.broker.batches import CHUNK, _batch_info_decoder, get_batch, make_queue, new_batch_id
 from mlxq.broker.rq_store import counters
 from mlxq.errors import StartupError
@@ -54,8 +54,12 @@ def submit(
     on_progress: Callable[[int], None] | None = None,
     on_created: Callable[[BatchInfo], None] | None = None,
     on_jobs: Callable[[list[str]], None] | None = None,
+    queue_of: Callable[[str], str] = keys.queue_name_for_model,
 ) -> BatchInfo:
     """Enqueue ``requests`` as one batch of RQ jobs and return the batch record.
+
+    A request naming a model goes to that model's queue (``queue_of`` it), one naming none
+    (or ``model``) to ``queue`` (see :mod:`mlxq.broker.routing`).
 
     The record comes first (state ``submitting``; ``on_created`` is called with it), then
     the jobs in chunks, each chunk in one transaction with its ids and counters, so a
@@ -78,6 +82,7 @@ def submit(
         retries=retries,
         job_timeout=job_timeout,
         result_ttl=result_ttl,
+        models=routing.plan(requests, queue, model, queue_of),
     )
     with conn.pipeline() as pipe:
         pipe.set(keys.batch_submitter(info.batch_id), lease, ex=SUBMITTER_TTL)
@@ -159,13 +164,14 @@ def _enqueue_rest(
     on_progress: Callable[[int], None] | None,
     on_jobs: Callable[[list[str]], None] | None,
 ) -> BatchInfo:
-    q = make_queue(conn, info.queue)
+    queues = {name: make_queue(conn, name) for name in info.queues()}
     retry = Retry(max=info.retries) if info.retries > 0 else None
     try:
         for at in range(start, len(requests), CHUNK):
             chunk = requests[at : at + CHUNK]
             datas = [_job_data(req, info, at + i, retry) for i, req in enumerate(chunk)]
-            ids = _enqueue_chunk(conn, q, info.batch_id, datas, at, lease)
+            routed = [queues[name] for name in routing.queues_of(chunk, info)]
+            ids = _enqueue_chunk(conn, routed, info.batch_id, datas, at, lease)
             if on_jobs:
                 on_jobs(ids)
             if on_progress:
@@ -176,12 +182,13 @@ def _enqueue_rest(
 
 
 def _enqueue_chunk(
-    conn: redis.Redis, q: Queue, batch_id: str, datas: list, at: int, lease: bytes
+    conn: redis.Redis, routed: list[Queue], batch_id: str, datas: list, at: int, lease: bytes
 ) -> list[str]:
-    """One chunk of jobs, their ids and their counters in one transaction, written only if
-    the batch is not cancelled and this submit still holds its lease with the batch's first
-    ``at`` jobs enqueued. The record, the lease and the job list are watched, so a cancel or
-    a ``resume`` taking over between the look and the write aborts the write."""
+    """One chunk of jobs (each onto its queue in ``routed``), their ids and their counters in
+    one transaction, written only if the batch is not cancelled and this submit still holds
+    its lease with the batch's first ``at`` jobs enqueued. The record, the lease and the job
+    list are watched, so a cancel or a ``resume`` taking over between the look and the write
+    aborts the write."""
     watched = (keys.batch_info(batch_id), keys.batch_submitter(batch_id), keys.batch_jobs(batch_id))
     with conn.pipeline() as pipe:
         while True:
@@ -192,16 +199,28 @@ def _enqueue_chunk(
                     raise BatchCancelled(f"batch {batch_id} was cancelled while submitting")
                 _check_lease(pipe, batch_id, at, lease)
                 pipe.multi()
-                jobs = q.enqueue_many(datas, pipeline=pipe)
-                ids = [j.id for j in jobs]
+                ids = _enqueue_routed(pipe, routed, datas)
                 pipe.rpush(keys.batch_jobs(batch_id), *ids)
                 pipe.expire(keys.batch_jobs(batch_id), keys.BATCH_TTL)
-                counters.mark_submitted(pipe, ids, batch_id)
+                counters.mark_submitted(pipe, ids, batch_id, [rq.name for rq in routed])
                 pipe.set(keys.batch_submitter(batch_id), lease, ex=SUBMITTER_TTL)
                 pipe.execute()
                 return ids
             except redis.WatchError:
                 pipe.reset()
+
+
+def _enqueue_routed(pipe: redis.client.Pipeline, routed: list[Queue], datas: list) -> list[str]:
+    """Queue, in ``pipe``, each job onto its queue (a group per queue); the ids in input order."""
+    ids: list[str] = [""] * len(datas)
+    groups: dict[str, list[int]] = {}
+    for i, rq in enumerate(routed):
+        groups.setdefault(rq.name, []).append(i)
+    for where in groups.values():
+        jobs = routed[where[0]].enqueue_many([datas[i] for i in where], pipeline=pipe)
+        for i, job in zip(where, jobs, strict=True):
+            ids[i] = job.id
+    return ids
 
 
 def _check_lease(pipe: redis.client.Pipeline, batch_id: str, at: int, lease: bytes) -> None:

@@ -351,7 +351,6 @@ def _request_from_json(raw: bytes, line: int, failure: Exception) -> Request:
 # The mlxq form
 
 _MLXQ_UNKNOWN_HINTS = {
-    "model": "the queue's workers choose the model; to record one, put it in `metadata`",
     "max_completion_tokens": "use `max_tokens`",
     "top_logprobs": "use `logprobs` (the number of top alternatives per token)",
     "frequency_penalty": "not supported; use `repetition_penalty`",

@@ -76,7 +76,8 @@ def request_from_openai(obj: dict[str, Any], line: int) -> Request:
     """Map one OpenAI Batch API line (``custom_id``, ``method``, ``url``, ``body``) to a Request.
 
     ``url`` is ``/v1/chat/completions`` or ``/v1/completions``. In ``body``, a null value
-    is the same as leaving the field out; ``model`` goes to ``metadata["model"]``;
+    is the same as leaving the field out; ``model`` routes the request to that model's queue
+    (and is copied to ``metadata["model"]``);
     ``user`` is ignored; mlxq's ``top_k``, ``min_p`` and ``repetition_penalty`` are
     accepted; ``n`` asks for that many samples (up to :data:`~mlxq.wire.MAX_SAMPLES`);
     anything mlxq cannot honour (``best_of``, ``stream``, non-zero frequency or
@@ -96,6 +97,8 @@ def request_from_openai(obj: dict[str, Any], line: int) -> Request:
     metadata = _metadata(body, fail)
     if metadata:
         d["metadata"] = metadata
+    if "model" in body:  # (a string: checked with the metadata)
+        d["model"] = body["model"]
     if chat:
         d["messages"] = _openai_messages(body.get("messages"), fail)
     else:

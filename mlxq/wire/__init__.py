@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import msgspec
 
-from mlxq.wire.records import BatchInfo, BatchStatus, JobMeta, ModelInfo, QueueInfo, WorkerInfo
+from mlxq.wire.records import (
+    BatchInfo,
+    BatchModel,
+    BatchStatus,
+    JobMeta,
+    ModelInfo,
+    QueueInfo,
+    WorkerInfo,
+)
 from mlxq.wire.request import (
     MAX_LOGPROBS,
     MAX_SAMPLES,
@@ -47,6 +55,7 @@ __all__ = [
     "MAX_SAMPLES",
     "MAX_TOKENS_LIMIT",
     "BatchInfo",
+    "BatchModel",
     "BatchStatus",
     "Choice",
     "FinishReason",

@@ -14,6 +14,15 @@ class JobMeta(Struct, omit_defaults=True):
     expires_at: float | None = None  # Unix time after which the request is not run
 
 
+class BatchModel(Struct, omit_defaults=True):
+    """One model of a batch: how many of its lines name it (``model`` None: the lines that
+    name none) and the queue they went to."""
+
+    queue: str
+    lines: int
+    model: str | None = None
+
+
 class BatchInfo(Struct):
     """A batch: its jobs are listed, in input order, under ``keys.batch_jobs``.
 
@@ -21,7 +30,9 @@ class BatchInfo(Struct):
     ``total`` jobs are enqueued (a submit that died half way leaves it ``submitting``, to be
     resumed or cancelled), or ``cancelled`` if cancelled before that. ``digest`` identifies
     the requests, so a resume can refuse a different file; the job settings are kept so a
-    resume enqueues the rest exactly as the first part.
+    resume enqueues the rest exactly as the first part. ``models`` lists the models its
+    lines name, in order of first appearance, with their queues: lines that name none, or
+    ``model``, go to ``queue`` (records written before batches could mix models have none).
     """
 
     batch_id: str
@@ -36,6 +47,14 @@ class BatchInfo(Struct):
     retries: int = 0
     job_timeout: int | None = None
     result_ttl: int | None = None
+    # high, normal or low (``keys.PRIORITIES``): workers take a higher priority's jobs first
+    # and share out equal priorities' batches a job at a time.
+    priority: str = "normal"
+    models: list[BatchModel] = []
+
+    def queues(self) -> list[str]:
+        """Every queue the batch's jobs went to, in order of first appearance."""
+        return list(dict.fromkeys(m.queue for m in self.models)) or [self.queue]
 
 
 class BatchStatus(Struct):
@@ -58,6 +77,7 @@ class BatchStatus(Struct):
     state: str = "submitted"
     enqueued: int | None = None
     submitter_alive: bool = False
+    priority: str = "normal"
 
     @property
     def done(self) -> int:

@@ -37,7 +37,9 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True):
     output to a JSON schema, any JSON object, a regex or a Lark grammar
     (:mod:`mlxq.wire.response_format`). ``n`` asks for that many samples of the one
     prompt (prefilled once), sample ``i`` seeded ``seed + i``; the result's ``choices``
-    hold them (:class:`~mlxq.wire.result.Result`). ``n`` > 1 cannot stream.
+    hold them (:class:`~mlxq.wire.result.Result`). ``n`` > 1 cannot stream. ``model``
+    routes the request to that model's queue (``keys.queue_name_for_model``); without it
+    the request goes to its batch's queue.
     """
 
     prompt: str | list[TokenId] | None = None
@@ -56,6 +58,7 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True):
     stream: bool = False  # append tokens to a Redis stream as they come (`mlxq tail`)
     response_format: ResponseFormat | None = None  # JSON schema, regex or grammar
     n: Annotated[int, Meta(ge=1, le=MAX_SAMPLES)] = 1  # samples of this prompt
+    model: Annotated[str, Meta(min_length=1, max_length=1024)] | None = None  # picks the queue
 
     def __post_init__(self) -> None:
         has_prompt = self.prompt is not None

@@ -3,6 +3,7 @@ state (once, however often the move is applied), and reading them."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,9 +13,13 @@ from mlxq.broker import keys
 from mlxq.broker.rq_store.rq_keys import job_key
 from mlxq.broker.rq_store.states import BUCKETS
 
-
 # A job with no ``mlxq_state`` yet is in ``queued`` (where submit counts it). Batches
-# without counters (made before they were kept) are left alone.
+# without counters (made before they were kept) are left alone. Each counter is also kept
+# per queue (``finished@QUEUE``, by the job's ``origin``) where submit started them, so a
+# batch that mixes models shows each model's progress.
+SEP = "@"  # between a counter and its queue: ``finished@QUEUE``
+
+
 def move_lua(job: str = "KEYS[1]", counts: str = "KEYS[2]", bucket: str = "ARGV[1]") -> str:
     """Lua that moves a job (its hash at ``job``) to ``bucket`` in the batch counters at
     ``counts`` (Lua expressions), once; it returns 1 if it moved the job, else 0."""
@@ -27,6 +32,11 @@ if old == {bucket} then return 0 end
 redis.call('HINCRBY', {counts}, old, -1)
 redis.call('HINCRBY', {counts}, {bucket}, 1)
 redis.call('HSET', {job}, 'mlxq_state', {bucket})
+local origin = redis.call('HGET', {job}, 'origin')
+if origin and redis.call('HEXISTS', {counts}, 'queued{SEP}' .. origin) == 1 then
+  redis.call('HINCRBY', {counts}, old .. '{SEP}' .. origin, -1)
+  redis.call('HINCRBY', {counts}, {bucket} .. '{SEP}' .. origin, 1)
+end
 return 1
 """
 
@@ -58,9 +68,14 @@ def move(pipe: Any, job_id: str, batch_id: str | None, bucket: str) -> None:
     script(keys=[job_key(job_id), keys.batch_counts(batch_id)], args=[bucket])
 
 
-def mark_submitted(pipe: Any, job_ids: Sequence[str], batch_id: str) -> None:
-    """Count freshly enqueued jobs as queued (their hashes need no field for that)."""
+def mark_submitted(
+    pipe: Any, job_ids: Sequence[str], batch_id: str, queues: Sequence[str] = ()
+) -> None:
+    """Count freshly enqueued jobs as queued (their hashes need no field for that), and
+    per queue where ``queues`` gives each job's."""
     pipe.hincrby(keys.batch_counts(batch_id), "queued", len(job_ids))
+    for queue, n in Counter(queues).items():
+        pipe.hincrby(keys.batch_counts(batch_id), f"queued{SEP}{queue}", n)
     pipe.expire(keys.batch_counts(batch_id), keys.BATCH_TTL)
 
 
@@ -68,3 +83,13 @@ def read_counts(raw: dict[bytes, bytes]) -> dict[str, int]:
     """A batch's counters from its hash (missing ones are 0)."""
     got = {k.decode(): int(v) for k, v in raw.items()}
     return {b: got.get(b, 0) for b in BUCKETS}
+
+
+def read_queue_counts(raw: dict[bytes, bytes]) -> dict[str, dict[str, int]]:
+    """A batch's counters per queue, for the queues submit counted (missing ones are 0)."""
+    out: dict[str, dict[str, int]] = {}
+    for k, v in raw.items():
+        bucket, sep, queue = k.decode().partition(SEP)
+        if sep and bucket in BUCKETS:
+            out.setdefault(queue, dict.fromkeys(BUCKETS, 0))[bucket] = int(v)
+    return out
