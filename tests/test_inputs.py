@@ -51,6 +51,35 @@ def completion(**body) -> dict:
 # Good input
 
 
+def test_a_file_mixing_models_names_each_lines_model():
+    lines = [
+        {"prompt": "a", "model": "org/A"},
+        {"prompt": "b"},
+        {"custom_id": "oa", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "B.gguf", "prompt": "x"}},
+        {"messages": [{"role": "user", "content": "hi"}], "model": "org/A"},
+    ]  # fmt: skip
+    parsed = parse_lines(json.dumps(x) for x in lines)
+    assert parsed.errors == []
+    assert [r.model for r in parsed.requests] == ["org/A", None, "B.gguf", "org/A"]
+    assert parsed.requests[2].metadata == {"model": "B.gguf"}  # (still copied, as before)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ({"prompt": "a", "model": 3}, "model: Expected `str | null`, got `int`"),
+        ({"prompt": "a", "model": ""}, "model: Expected `str` of length >= 1"),
+        ({"custom_id": "c", "method": "POST", "url": "/v1/completions",
+          "body": {"prompt": "x", "model": ["A"]}}, "body.model: expected a string"),
+    ],
+)  # fmt: skip
+def test_a_bad_model_is_refused_naming_its_line_and_field(line, message):
+    parsed = parse_lines(["{}", json.dumps(line)])
+    assert [e.line for e in parsed.errors] == [1, 2]
+    assert parsed.errors[1].message.startswith(message), parsed.errors[1].message
+
+
 def test_good_mixed_file():
     parsed = read_requests(DATA / "good_mixed.jsonl")
     assert parsed.errors == []
@@ -89,6 +118,7 @@ def test_good_mixed_file():
         logprobs=2,
         custom_id="oa-chat",
         metadata={"model": "gpt-4o-mini"},
+        model="gpt-4o-mini",
     )
     assert by_id["oa-completion"] == Request(
         prompt="Once upon a time",
@@ -97,6 +127,7 @@ def test_good_mixed_file():
         logprobs=1,
         custom_id="oa-completion",
         metadata={"model": "davinci-002"},
+        model="davinci-002",
     )
     assert by_id["line-7"] == Request(prompt="no custom_id here", max_tokens=4, custom_id="line-7")
     assert by_id["oa-completion-tokens"] == Request(
@@ -116,6 +147,7 @@ def test_good_mixed_file():
         max_tokens=8,
         custom_id="oa-chat-greedy",
         metadata={"model": "m"},
+        model="m",
     )
     # Everything read survives the trip to Redis.
     for r in parsed.requests:
