@@ -61,7 +61,9 @@ def test_one_resolved_configuration_decides_every_automatic_setting():
     budget = int(16 * 2**30 * 0.75) - 2**30  # 75% of memory less the weights
     assert config.prefix_cache_bytes == int(budget * 0.1)
     assert config.kv_budget_bytes == budget - config.prefix_cache_bytes
-    assert config.max_batch == min(512, config.kv_budget_bytes // (2**15 * 2048))
+    # Metal's ceiling: the budget holds more rows than that of short jobs (admission and
+    # pulls then go by the jobs' real lengths).
+    assert config.max_batch == 512 and config.batch.limit == "backend ceiling"
     assert config.auto_prefill and config.queues == ("m", "default")
     assert (config.stall_timeout, config.abandon_after, config.grace_period) == (300, 30, 60)
     assert resolve(WorkerProfile(model="m"), _facts("cpu"), _info()).stall_timeout == 1800
@@ -84,7 +86,7 @@ def test_a_quantized_kv_cache_sizes_batches_on_its_own_bytes():
     eight = resolve(WorkerProfile(model="m", kv_bits=8), facts, info)
     assert eight.kv_bits == 8 and eight.info.kv_bytes_per_token == 17408
     assert plain.max_batch == eight.max_batch == 512  # both at Metal's ceiling
-    small = _facts("metal", gib=8)  # where memory, not the cap, sets the batch
+    small = _facts("metal", gib=2)  # where memory, not the cap, sets the batch
     ratio = (
         resolve(WorkerProfile(model="m", kv_bits=8), small, info).max_batch
         / resolve(WorkerProfile(model="m"), small, info).max_batch
@@ -103,12 +105,12 @@ def test_the_batch_choice_is_logged_in_one_line_and_reaches_the_engine(caplog):
     h200 = _facts("cuda", gib=140)
     with caplog.at_level(logging.INFO, logger="mlxq.worker"):
         wide = resolve(WorkerProfile(model="m"), h200, _info())
-        small = resolve(WorkerProfile(model="m"), _facts("cuda", gib=8), _info())
+        small = resolve(WorkerProfile(model="m"), _facts("cuda", gib=2), _info())
         given = resolve(WorkerProfile(model="m", max_batch=300), h200, _info())
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("batch ")]
     assert len(lines) == 3 and all("\n" not in line for line in lines)
-    assert lines[0].startswith(f"batch {BATCH_CEILING['cuda']:,}: the cuda ceiling")
-    assert lines[1].startswith(f"batch {small.max_batch}: memory (a KV budget of")
+    assert lines[0].startswith(f"batch up to {BATCH_CEILING['cuda']:,}: the cuda ceiling")
+    assert lines[1].startswith(f"batch up to {small.max_batch}: memory (a KV budget of")
     assert lines[2].startswith("batch 300: set by --max-batch")
     assert (wide.batch.limit, small.batch.limit, given.batch.limit) == (
         "backend ceiling",

@@ -2,15 +2,16 @@
 
 from mlxq.engine.scheduler import (
     BATCH_CEILING,
+    RECENT_JOBS,
     Scheduler,
     admission_order,
-    auto_max_batch,
     auto_prefill_batch,
     cache_positions,
     cache_rows,
     choose_batch,
     grown_rows,
     memory_budget,
+    rows_that_fit,
     slot_cache_bytes,
     split_budget,
 )
@@ -89,34 +90,70 @@ def test_fits_alone_explains_context_and_memory_limits():
 
 
 def test_fetch_count_prefetches_beyond_the_batch():
-    s = make(max_batch=4)
+    s = make(max_batch=4, budget=10**6)
     assert s.fetch_count(0) == 6 and s.fetch_count(6) == 0 and s.fetch_count(9) == 0
 
 
-def test_auto_batch_from_memory():
+def test_rows_that_fit_follow_the_slot_cache_rectangle():
     gib = 2**30
     budget = memory_budget(16 * gib, 2 * gib, 0.75)
     assert budget == 10 * gib
     # 128 KiB/token (8B-class with GQA, bf16) x 2048 tokens = 256 MiB/job -> 40 jobs
-    assert auto_max_batch(budget, 128 * 1024, cap=1024) == 40
-    assert auto_max_batch(budget, 1, cap=300) == 300
-    assert auto_max_batch(0, 128 * 1024, cap=1024) == 1
+    assert rows_that_fit(budget, 2048, 128 * 1024) == 40
+    assert slot_cache_bytes(40, 2048, 128 * 1024) <= budget < slot_cache_bytes(41, 2048, 128 * 1024)
+    # Below ROW_STEP the cache holds a power of two rows; positions come in CACHE_STEPs.
+    assert rows_that_fit(slot_cache_bytes(4, 300, 1) + 1, 300, 1) == 4
+    assert rows_that_fit(slot_cache_bytes(4, 300, 1) - 1, 300, 1) == 2
+    assert rows_that_fit(0, 2048, 128 * 1024) == 0
+
+
+def test_fetch_count_plans_by_the_jobs_admitted_last():
+    kv = 1024
+    budget = slot_cache_bytes(64, 512, kv)  # 64 jobs of 512 tokens, 16 of 2,048
+    s = make(max_batch=256, budget=budget, kv=kv, ctx=8192)
+    # Before any job: planned at PLANNED_JOB_TOKENS.
+    assert s.planned_rows() == 16 and s.fetch_count(0) == 16 + s.prefetch
+    # Short jobs admitted: the pull plans by them.
+    for i in range(8):
+        assert s.try_admit(f"short{i}", 256, 256, 1)
+    assert s.planned_rows() == 64
+    # A long one admitted: planned by the longest of the recent jobs.
+    for i in range(8):
+        s.release(f"short{i}")
+    assert s.try_admit("long", 1500, 500, 1)
+    assert s.planned_rows() == 16
+    s.release("long")
+    # ... and once RECENT_JOBS short ones have followed it, by them again.
+    for i in range(RECENT_JOBS):
+        assert s.try_admit(f"later{i}", 256, 256, 1)
+        s.release(f"later{i}")
+    assert s.planned_rows() == 64
+    # Never more than max_batch, never fewer than one.
+    assert make(max_batch=4, budget=budget, kv=kv, ctx=8192).planned_rows() == 4
+    assert make(max_batch=4, budget=1, kv=kv, ctx=8192).planned_rows() == 1
 
 
 GIB = 2**30
 KV_1B = 32 * 1024  # Llama-3.2-1B: 16 layers x 8 KV heads x 64 x (K, V) x bf16
 
 
-def test_memory_decides_the_batch_below_the_backends_ceiling():
-    # 8B-class on an H200: ~81 GiB of KV holds 324 jobs of 2,048 tokens (256 MiB each).
+def test_memory_decides_the_batch_only_where_it_holds_fewer_short_jobs_than_the_ceiling():
+    # 8B-class on an H200: ~81 GiB of KV holds 320 jobs of 2,048 tokens but 2,592 of 256:
+    # the ceiling decides, and admission goes by the jobs' real lengths (issue 29: 1,024
+    # rows ran 1.10x the 325 that planning every job at 2,048 tokens chose).
     choice = choose_batch(81 * GIB, 128 * 1024, "cuda")
-    assert (choice.size, choice.limit) == (324, "memory")
-    assert choice.why.startswith("batch 324: memory (a KV budget of 81.0 GiB holds 324 jobs")
-    assert "below the cuda ceiling of 1,024" in choice.why
+    assert (choice.size, choice.limit) == (1024, "backend ceiling")
+    assert "holds 320 jobs of 2,048 tokens, 2,592 of 256" in choice.why
+    assert "memory admits by the jobs' real lengths" in choice.why
+    # Memory that holds fewer rows than the ceiling even of short jobs decides.
+    small = choose_batch(4 * GIB, 128 * 1024, "cuda")
+    assert (small.size, small.limit) == (128, "memory")
+    assert small.why.startswith("batch up to 128: memory (a KV budget of 4.0 GiB holds 16")
+    assert "below the cuda ceiling of 1,024" in small.why
     # Memory for less than one job still runs one at a time.
     assert choose_batch(GIB, 10 * GIB, "metal").size == 1
-    # A model whose whole context is shorter than the planned job: jobs of its context.
-    assert choose_batch(GIB, KV_1B, "cuda", context_length=1024).size == 32
+    # A model whose whole context is shorter than a cache step: jobs of its context.
+    assert choose_batch(GIB, KV_1B, "cuda", context_length=128).size == 128
 
 
 def test_the_backends_ceiling_caps_what_memory_would_hold():
@@ -124,7 +161,7 @@ def test_the_backends_ceiling_caps_what_memory_would_hold():
     choice = choose_batch(93 * GIB, KV_1B, "cuda")
     assert (choice.size, choice.limit) == (BATCH_CEILING["cuda"], "backend ceiling")
     assert "the cuda ceiling, where more rows stop paying" in choice.why
-    assert "holds 1,488 jobs" in choice.why
+    assert "holds 1,488 jobs of 2,048 tokens" in choice.why
     assert choose_batch(93 * GIB, KV_1B, "metal").size == BATCH_CEILING["metal"]
     assert choose_batch(93 * GIB, KV_1B, "cpu").size == BATCH_CEILING["cpu"]
     assert choose_batch(93 * GIB, KV_1B, "tpu").size == BATCH_CEILING["cpu"]  # unknown: cpu's

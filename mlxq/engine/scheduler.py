@@ -13,6 +13,7 @@ memory.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 # The automatic batch's ceiling by backend: the rows past which a wider decode batch stops
@@ -32,8 +33,10 @@ BATCH_CEILING = {"cpu": 128, "metal": 512, "cuda": 1024}
 # The slot engine's rows when the automatic batch is narrower: its join pacing (a share of
 # its rows) stays as it was tuned.
 ENGINE_ROWS = 256
-# The job length the automatic batch size is planned for (prompt + output tokens).
+# The job length a worker plans its pulls for before it has admitted any (prompt + output
+# tokens); then it plans by the longest of the last RECENT_JOBS it admitted.
 PLANNED_JOB_TOKENS = 2048
+RECENT_JOBS = 64
 # Prompt tokens one prefill call may process when the prefill batch is automatic. On a
 # GPU, wide calls keep it busy (an H200 ran a 1B model 2.5x faster at 128 x 128 prompt
 # tokens per call than at mlx-lm's default of 8 prompts); a CPU is compute-bound, so the
@@ -125,13 +128,6 @@ def split_budget(budget_bytes: int, prefix_fraction: float) -> tuple[int, int]:
     return budget_bytes - prefix, prefix
 
 
-def auto_max_batch(
-    budget_bytes: int, kv_bytes_per_token: int, cap: int, job_tokens: int = PLANNED_JOB_TOKENS
-) -> int:
-    """The decode batch size that fits jobs of ``job_tokens`` in the budget, at most ``cap``."""
-    return max(1, min(cap, budget_bytes // max(1, kv_bytes_per_token * job_tokens)))
-
-
 @dataclass(frozen=True)
 class BatchChoice:
     """The batch size a worker admits and which limit decided it."""
@@ -148,27 +144,44 @@ def choose_batch(
     given: int | None = None,
     context_length: int = PLANNED_JOB_TOKENS,
 ) -> BatchChoice:
-    """The batch size: ``given`` (--max-batch), else the jobs the KV budget holds (each
-    planned at ``PLANNED_JOB_TOKENS``, or the whole context if shorter), at most the
-    backend's ceiling (:data:`BATCH_CEILING`)."""
+    """The batch size: ``given`` (--max-batch), else the backend's ceiling
+    (:data:`BATCH_CEILING`), lower only where the KV budget holds fewer rows even of the
+    shortest jobs (:data:`CACHE_STEP` tokens, or the whole context if shorter).
+
+    Memory is not planned at one job length here: the scheduler admits by the real jobs'
+    lengths, and pulls by those of the jobs it admitted last (:meth:`Scheduler.fetch_count`).
+    """
     job_tokens = min(PLANNED_JOB_TOKENS, max(1, context_length))
-    per_job = max(1, kv_bytes_per_token * job_tokens)
-    holds = budget_bytes // per_job
+    holds = rows_that_fit(budget_bytes, job_tokens, kv_bytes_per_token)
+    short = min(CACHE_STEP, max(1, context_length))
+    most = rows_that_fit(budget_bytes, short, kv_bytes_per_token)
     ceiling = BATCH_CEILING.get(backend, BATCH_CEILING["cpu"])
     memory = (
         f"a KV budget of {budget_bytes / 2**30:.1f} GiB holds {holds:,} jobs of "
-        f"{job_tokens:,} tokens ({per_job / 2**20:.1f} MiB each)"
+        f"{job_tokens:,} tokens, {most:,} of {short:,}"
     )
     if given:
         more = "; admission waits for room beyond that" if given > holds else ""
         why = f"set by --max-batch ({memory}, the {backend} ceiling is {ceiling:,}{more})"
         return BatchChoice(given, "--max-batch", f"batch {given:,}: {why}")
-    size = auto_max_batch(budget_bytes, kv_bytes_per_token, ceiling, job_tokens)
-    if size < ceiling:
+    if most < ceiling:
+        size = max(1, most)
         why = f"memory ({memory}, below the {backend} ceiling of {ceiling:,})"
-        return BatchChoice(size, "memory", f"batch {size:,}: {why}")
-    why = f"the {backend} ceiling, where more rows stop paying ({memory})"
-    return BatchChoice(size, "backend ceiling", f"batch {size:,}: {why}")
+        return BatchChoice(size, "memory", f"batch up to {size:,}: {why}")
+    why = (
+        f"the {backend} ceiling, where more rows stop paying; memory admits by the jobs' "
+        f"real lengths ({memory})"
+    )
+    return BatchChoice(ceiling, "backend ceiling", f"batch up to {ceiling:,}: {why}")
+
+
+def rows_that_fit(budget_bytes: int, tokens: int, kv_bytes_per_token: int) -> int:
+    """The most jobs of ``tokens`` tokens whose slot cache (:func:`slot_cache_bytes`) fits
+    ``budget_bytes``; 0 if not even one does."""
+    rows = budget_bytes // max(1, cache_positions(tokens) * kv_bytes_per_token)
+    if rows > ROW_STEP:
+        return rows // ROW_STEP * ROW_STEP
+    return 1 << (rows.bit_length() - 1) if rows else 0
 
 
 @dataclass
@@ -185,6 +198,10 @@ class Scheduler:
     prefill_tokens: int = PREFILL_TOKENS["cuda"]  # per prefill call, when automatic
     _reserved: dict[str, int] = field(default_factory=dict)  # worst-case tokens by job
     _samples: dict[str, int] = field(default_factory=dict)  # rows of jobs of n > 1 samples
+    # Worst-case tokens of the jobs admitted last, and the longest of them: what the next
+    # pull is planned by (read by the worker's thread, so a plain int beside the deque).
+    _recent: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_JOBS))
+    _recent_longest: int = 0
 
     def job_bytes(self, prompt_tokens: int, max_tokens: int, rows: int = 1) -> int:
         """Worst-case KV bytes of one job alone (``rows``: its samples)."""
@@ -226,9 +243,19 @@ class Scheduler:
         """How many more jobs to pull from Redis when ``held`` are already in hand.
 
         A few beyond the batch size are prefetched so a finished job's slot is filled
-        at the next step, not after a Redis round trip.
+        at the next step, not after a Redis round trip. The batch size here is what memory
+        holds of jobs as long as the ones admitted last (:meth:`planned_rows`): a worker
+        does not hold jobs it could not admit for long while other workers idle.
         """
-        return max(0, self.max_batch + self.prefetch - held)
+        return max(0, self.planned_rows() + self.prefetch - held)
+
+    def planned_rows(self) -> int:
+        """The rows the batch can reach with jobs like the last :data:`RECENT_JOBS`
+        admitted (before any, jobs of :data:`PLANNED_JOB_TOKENS`): ``max_batch``, or fewer
+        where the memory budget holds fewer of them (at least one)."""
+        tokens = self._recent_longest or min(PLANNED_JOB_TOKENS, self.context_length)
+        fit = rows_that_fit(self.budget_bytes, tokens, self.kv_bytes_per_token)
+        return max(1, min(self.max_batch, fit))
 
     def try_admit(self, key: str, prompt_tokens: int, max_tokens: int, rows: int = 1) -> bool:
         """Admit the job if its batch rows (``rows``: its samples) and their memory are
@@ -242,6 +269,8 @@ class Scheduler:
         if self._reserved and need > self.budget_bytes:
             return False
         self._reserved[key] = tokens
+        self._recent.append(tokens)
+        self._recent_longest = max(self._recent)
         if rows > 1:
             self._samples[key] = rows
         return True
