@@ -17,9 +17,14 @@ from mlxq.broker import keys
 
 
 class WorkerProfile(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """Settings of one worker; None means "decide automatically"."""
+    """Settings of one worker; None means "decide automatically".
+
+    ``model`` is the model it serves, or, with ``models`` (several), the one it loads first
+    (the first of ``models`` unless named); see :mod:`mlxq.worker.model_choice` for how a
+    worker of several models switches between them."""
 
     model: str | None = None
+    models: list[str] = []
     queues: list[str] = []
     adapter_path: str | None = None
     max_batch: Annotated[int, Meta(ge=1, le=4096)] | None = None
@@ -52,6 +57,31 @@ class WorkerProfile(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     dequantize: Literal["auto", "on", "off"] = "auto"
     # Serve Prometheus metrics on this port (needs the `metrics` extra).
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
+    # With several models: seconds a model stays loaded while its queues have work before
+    # another model's waiting jobs take the worker (bounds switching back and forth).
+    min_model_seconds: Annotated[float, Meta(ge=0.0)] = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            return
+        if len(set(self.models)) < len(self.models):
+            raise ValueError(f"models: {self.models} names a model twice; name each once")
+        if self.model is None:
+            self.model = self.models[0]
+        elif self.model not in self.models:
+            raise ValueError(
+                f"model: {self.model!r} is not one of models {self.models}; give `models` "
+                "alone (the first loads first) or a `model` among them"
+            )
+        if self.adapter_path is not None and len(self.models) > 1:
+            raise ValueError(
+                "adapter_path: an adapter belongs to one model, and this worker serves "
+                f"{len(self.models)}; run a worker per adapter"
+            )
+
+    def served(self) -> list[str]:
+        """Every model this worker serves (``models``, else ``model``; empty if none)."""
+        return list(self.models) or ([self.model] if self.model else [])
 
 
 DEFAULTS = WorkerProfile()  # the one place worker defaults are written
@@ -85,10 +115,15 @@ def merge(profile: WorkerProfile, overrides: dict[str, Any]) -> WorkerProfile:
     given = {k: v for k, v in overrides.items() if v is not None and v != () and v != []}
     if "queues" in given:
         given["queues"] = list(given["queues"])
+    if "model" in given:  # `--model` (given several times: a tuple) replaces both keys
+        named = [given["model"]] if isinstance(given["model"], str) else list(given["model"])
+        given["model"], given["models"] = named[0], named if len(named) > 1 else []
     try:
         merged = msgspec.structs.replace(profile, **given)
     except TypeError as e:
         raise ProfileError(f"unknown worker setting: {e}") from e
+    except ValueError as e:  # __post_init__'s checks (several models with an adapter...)
+        raise ProfileError(f"worker setting {e}") from e
     try:  # flags are held to the same limits as profile files
         return msgspec.convert(msgspec.to_builtins(merged), WorkerProfile)
     except msgspec.ValidationError as e:
