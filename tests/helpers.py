@@ -129,3 +129,10 @@ def dequeued(conn: Any, n: int, queue: str, result_ttl: int | None = None) -> tu
     worker = MlxqWorker([queue], connection=conn, runner=None, model_name="m")  # type: ignore[arg-type]
     worker.register_birth()
     return batch, worker, dequeue_many(worker, n)
+
+
+def waiting(conn: Any, queue: str) -> int:
+    """How many jobs wait on ``queue``: its RQ list and its batches' lanes."""
+    from mlxq.broker.rq_store import lanes
+
+    return lanes.waiting(conn, [queue])[queue]

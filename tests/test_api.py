@@ -27,6 +27,7 @@ from api_servers import (
 
 from mlxq.api import redis_keys as rk
 from mlxq.broker import keys
+from tests.helpers import waiting
 
 # -- the whole flow -----------------------------------------------------------------------
 
@@ -135,7 +136,7 @@ def test_bad_input_file_fails_validation_with_line_errors(client, conn):
     assert codes[3] == "mismatched_endpoint" and codes[5] == "mismatched_model"
     assert "body.n" in batch.errors.data[2].message
     assert client.batches.retrieve(batch.id).status == "failed"
-    assert conn.llen(f"rq:queue:{MODEL}") == 0
+    assert waiting(conn, MODEL) == 0
 
 
 def test_create_refuses_bad_parameters(client, conn):
@@ -150,12 +151,12 @@ def test_create_refuses_bad_parameters(client, conn):
 
 def test_cancel_before_any_worker_runs(client, client_b, conn):
     batch = create(client, upload(client, [completion_line(f"r{i}", "Hi") for i in range(3)]))
-    assert conn.llen(f"rq:queue:{MODEL}") == 3
+    assert waiting(conn, MODEL) == 3
     cancelled = client_b.batches.cancel(batch.id)
     assert cancelled.status in ("cancelling", "cancelled")
     batch = wait_final(client, batch.id)
     assert batch.status == "cancelled" and batch.cancelled_at and batch.cancelling_at
-    assert conn.llen(f"rq:queue:{MODEL}") == 0
+    assert waiting(conn, MODEL) == 0
     assert batch.output_file_id is None
     assert batch.request_counts.total == 3 and batch.request_counts.failed == 3
     errors = read_jsonl(client, batch.error_file_id)
@@ -178,7 +179,7 @@ def test_past_its_window_a_batch_expires(client, conn):
     conn.set(key, json.dumps(state), keepttl=True)
     batch = wait_final(client, batch.id)
     assert batch.status == "expired" and batch.expired_at is not None
-    assert conn.llen(f"rq:queue:{MODEL}") == 0
+    assert waiting(conn, MODEL) == 0
     errors = read_jsonl(client, batch.error_file_id)
     assert {e["error"]["code"] for e in errors.values()} == {"batch_expired"}
 
@@ -201,7 +202,7 @@ def test_work_left_by_a_dead_process_is_taken_over(client, conn):
     _edit_record(conn, stuck.id, status="validating", submitted=False)
     stuck = wait_final(client, stuck.id)
     assert stuck.status == "failed" and stuck.errors.data[0].code == "validation_interrupted"
-    assert conn.llen(f"rq:queue:{MODEL}") == 0
+    assert waiting(conn, MODEL) == 0
     # Finalization cut short: the next reader finishes it (here with jobs never run).
     left = create(
         client, upload(client, [completion_line("f1", "Hi"), completion_line("f2", "Ho")])

@@ -26,6 +26,8 @@ from api_servers import (
 )
 from helpers import ROOT, Worker, free_port, wait_for_port
 
+from tests.helpers import waiting
+
 UNSERVED = "gpt-4o-mini"
 
 
@@ -72,12 +74,12 @@ def test_without_a_live_worker_nothing_is_served(strict, client, conn):
         f"worker); start `mlxq worker --model {UNSERVED}` or name a served model"
     )
     assert refused.errors.data[0].param == "body.model"
-    assert conn.llen(f"rq:queue:{UNSERVED}") == 0
+    assert waiting(conn, UNSERVED) == 0
     no_model = _model_not_found(_batch_for(strict, None))
     assert "go to queue 'default', which no live mlxq worker takes" in no_model
     # A server with --allow-unserved-models queues it for a worker started later.
     queued = _batch_for(client, UNSERVED)
-    assert queued.status == "in_progress" and conn.llen(f"rq:queue:{UNSERVED}") == 3
+    assert queued.status == "in_progress" and waiting(conn, UNSERVED) == 3
 
 
 def test_hub_ids_and_their_queue_names_are_served(strict, conn):
@@ -91,7 +93,7 @@ def test_hub_ids_and_their_queue_names_are_served(strict, conn):
     assert "served: mlx-community/Foo-4bit, org/Bar (queues fast, default)" in str(e.value)
     assert _batch_for(strict, "mlx-community/Foo-4bit").status == "in_progress"
     assert _batch_for(strict, None).status == "in_progress"  # w2 takes queue default
-    assert conn.llen("rq:queue:Foo-4bit") == 3 and conn.llen("rq:queue:default") == 3
+    assert waiting(conn, "Foo-4bit") == 3 and waiting(conn, "default") == 3
 
 
 def test_a_live_worker_serves_its_model_by_path_and_by_queue(

@@ -22,7 +22,7 @@ from mlxq.wire import (
     Request,
     TextFormat,
 )
-from tests.helpers import run_mlxq
+from tests.helpers import run_mlxq, waiting
 
 
 def test_constraints_that_cannot_be_enforced_are_explained():
@@ -86,10 +86,10 @@ def test_submit_refuses_a_file_with_a_broken_schema(valkey_url, conn, tmp_path):
     assert sub.returncode != 0
     assert f"{src}:2: response_format.json_schema.schema: cannot be enforced" in sub.stderr
     assert "Invalid type: strin" in sub.stderr and "Traceback" not in sub.stderr
-    assert conn.llen("rq:queue:schemas") == 0
+    assert waiting(conn, "schemas") == 0
     ok = run_mlxq("submit", str(src), "--queue", "schemas", "--skip-invalid", env=env)
     assert ok.returncode == 0, ok.stderr
-    assert conn.llen("rq:queue:schemas") == 1
+    assert waiting(conn, "schemas") == 1
 
 
 def test_the_python_client_refuses_a_constraint_it_cannot_enforce(valkey_url, conn):
@@ -101,9 +101,9 @@ def test_the_python_client_refuses_a_constraint_it_cannot_enforce(valkey_url, co
         client.submit([{"prompt": "fine"}, bad], queue="client-constraints")
     with pytest.raises(ValueError, match="cannot be enforced"):
         client.submit([Request(prompt="x", response_format=RegexFormat("[z-a]"))], queue="c")
-    assert conn.llen("rq:queue:client-constraints") == 0
+    assert waiting(conn, "client-constraints") == 0
     client.submit([{"prompt": "ok", "response_format": {"type": "json_object"}}], queue="c")
-    assert conn.llen("rq:queue:c") == 1
+    assert waiting(conn, "c") == 1
 
 
 def test_a_worker_fails_a_job_with_a_bad_constraint_alone(conn, tiny_model):

@@ -15,6 +15,7 @@ from mlxq.broker.rq_store.counters import read_counts
 from mlxq.wire import Request
 from mlxq.worker.launch import run_worker
 from mlxq.worker.profile import WorkerProfile
+from tests.helpers import waiting
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mlxq"
 RQ_STORE = PACKAGE / "broker" / "rq_store"
@@ -69,7 +70,7 @@ def test_cancelled_and_expired_jobs_count_and_store_full_results(conn, profile):
     results = list(q.iter_batch_results(conn, cancelled.batch_id))
     assert [r.custom_id for r in results] == [f"c{i}" for i in range(5)]
     assert all(r.finish_reason == "cancelled" and r.timing.enqueued_at for r in results)
-    assert conn.llen(rq_keys.queue_key("default")) == 0
+    assert waiting(conn, "default") == 0
 
     reqs = [Request(prompt=f"e{i}", max_tokens=3) for i in range(3)]
     expired = q.submit(conn, reqs, queue="exp", expires_in=1)

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from helpers import run_mlxq
 
+from tests.helpers import waiting
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -179,4 +181,4 @@ def test_bad_file_is_refused_whole_with_line_numbers(valkey_url, conn, tmp_path)
     assert sub.returncode != 0
     assert ":2:" in sub.stderr and "max_tokens" in sub.stderr and ":3:" in sub.stderr
     assert "nothing was enqueued" in sub.stderr
-    assert conn.llen("rq:queue:bad") == 0
+    assert waiting(conn, "bad") == 0

@@ -7,12 +7,11 @@ import json
 
 import msgspec
 import pytest
-from rq import Queue
 from rq.job import Job
 
 from mlxq.broker import batches as q
 from mlxq.broker import keys
-from mlxq.broker.rq_store import counters, rq_keys, states
+from mlxq.broker.rq_store import counters, lanes, rq_keys, states
 from mlxq.broker.serializer import serializer
 from mlxq.wire import Request, Result
 
@@ -25,8 +24,9 @@ def test_submit_makes_one_rq_job_per_request_in_order(conn):
     info = q.submit(conn, _reqs(2500), queue="qa")
     ids = q.batch_job_ids(conn, info.batch_id)
     assert len(ids) == 2500 and len(set(ids)) == 2500
-    rq_queue = Queue("qa", connection=conn, serializer=serializer)
-    assert rq_queue.count == 2500
+    # waiting on the batch's lane of the queue, in input order (not on RQ's list)
+    assert conn.lrange(keys.lane("qa", info.batch_id), 0, -1) == [i.encode() for i in ids]
+    assert lanes.waiting(conn, ["qa"]) == {"qa": 2500}
     job = Job.fetch(ids[7], connection=conn, serializer=serializer)
     assert job.func_name == keys.JOB_FUNC
     assert job.args[0]["prompt"] == "p7" and job.args[0]["custom_id"] == "c7"

@@ -20,6 +20,7 @@ from mlxq.wire import JobMeta, Request, Result
 from mlxq.worker.outcomes import InFlight
 from mlxq.worker.rq_worker import MlxqWorker
 from mlxq.worker.writeback import Writeback
+from tests.helpers import waiting
 
 
 def _setup(conn: redis.Redis, n: int) -> tuple[str, Worker]:
@@ -43,8 +44,8 @@ def test_a_job_stranded_in_the_intermediate_queue_goes_back_after_the_grace(conn
     assert conn.exists(keys.stranded(job.id))
     assert requeue_stranded(queue, grace_s=0) == [job.id]
     assert _ids(conn, queue.intermediate_queue_key) == []
-    assert _ids(conn, queue.key)[0] == job.id  # back at the front, where it was
-    assert len(_ids(conn, queue.key)) == 3
+    # back on RQ's list, taken before any lane: at the front, where it was
+    assert _ids(conn, queue.key) == [job.id] and waiting(conn, "strand") == 3
     assert not conn.exists(keys.stranded(job.id))
     status = q.batch_status(conn, batch)
     assert (status.queued, status.started) == (3, 0), status

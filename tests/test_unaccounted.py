@@ -35,14 +35,16 @@ def test_held_jobs_are_never_touched(conn):
 def test_a_job_removed_from_every_list_is_put_back_once(conn):
     batch = q.submit(conn, [Request(prompt=f"p{i}") for i in range(3)], queue="lost").batch_id
     lost = q.batch_job_ids(conn, batch)[1]
-    conn.lrem(rq_keys.queue_key("lost"), 1, lost)  # by hand, or by a path mlxq does not know
+    conn.lrem(keys.lane("lost", batch), 1, lost)  # by hand, or by a path mlxq does not know
     assert unaccounted.find(conn, batch) == [lost]
     assert _sweep(conn, "lost", grace_s=3600) == []  # marked; within its grace
     assert conn.hexists(keys.unaccounted("lost"), lost)
     assert _sweep(conn, "lost", grace_s=0) == [lost]
     assert _sweep(conn, "lost", grace_s=0) == []  # once
-    ids = [i.decode() for i in conn.lrange(rq_keys.queue_key("lost"), 0, -1)]
-    assert sorted(ids) == sorted(q.batch_job_ids(conn, batch)) and ids.count(lost) == 1
+    # back on the queue's RQ list (taken before any lane); the others still in their lane
+    assert conn.lrange(rq_keys.queue_key("lost"), 0, -1) == [lost.encode()]
+    ids = [i.decode() for i in conn.lrange(keys.lane("lost", batch), 0, -1)]
+    assert sorted([*ids, lost]) == sorted(q.batch_job_ids(conn, batch))
     assert not conn.hexists(keys.unaccounted("lost"), lost)
     assert unaccounted.find(conn, batch) == []
 
@@ -64,18 +66,18 @@ def test_a_job_found_held_again_loses_its_mark(conn):
     goes, so a later disappearance starts its grace afresh."""
     batch = q.submit(conn, [Request(prompt="p")], queue="back").batch_id
     (job_id,) = q.batch_job_ids(conn, batch)
-    conn.lrem(rq_keys.queue_key("back"), 1, job_id)
+    conn.lrem(keys.lane("back", batch), 1, job_id)
     _sweep(conn, "back", grace_s=3600)
-    conn.rpush(rq_keys.queue_key("back"), job_id)
+    conn.rpush(keys.lane("back", batch), job_id)
     assert _sweep(conn, "back", grace_s=0) == []
     assert not conn.exists(keys.unaccounted("back"))
-    assert conn.llen(rq_keys.queue_key("back")) == 1
+    assert conn.llen(keys.lane("back", batch)) == 1 and not conn.exists(rq_keys.queue_key("back"))
 
 
 def test_one_worker_of_the_fleet_sweeps_per_interval(conn):
     batch = q.submit(conn, [Request(prompt="p")], queue="lock").batch_id
     (job_id,) = q.batch_job_ids(conn, batch)
-    conn.lrem(rq_keys.queue_key("lock"), 1, job_id)
+    conn.lrem(keys.lane("lock", batch), 1, job_id)
     unaccounted.sweep(conn, ["lock"], 0, every_s=60)  # marks, takes the lock
     assert unaccounted.sweep(conn, ["lock"], 0, every_s=60) == []  # another worker: skipped
     assert _sweep(conn, "lock") == [job_id]
@@ -86,7 +88,7 @@ def test_status_json_reports_unaccounted_jobs(conn, valkey_url):
     lost = q.batch_job_ids(conn, batch)[0]
     done = run_mlxq("status", batch, "--json", url=valkey_url)
     assert done.returncode == 0 and "unaccounted" not in json.loads(done.stdout)
-    conn.lrem(rq_keys.queue_key("st"), 1, lost)
+    conn.lrem(keys.lane("st", batch), 1, lost)
     done = run_mlxq("status", batch, "--json", url=valkey_url)
     assert json.loads(done.stdout)["unaccounted"] == [lost]
     human = run_mlxq("status", batch, url=valkey_url).stdout

@@ -13,6 +13,7 @@ from mlxq.broker.serializer import serializer
 from mlxq.wire import Request
 from mlxq.worker.launch import run_worker
 from mlxq.worker.profile import WorkerProfile
+from tests.helpers import waiting
 
 
 @pytest.fixture
@@ -102,7 +103,7 @@ def test_client_rejects_invalid_requests_before_enqueueing(conn, valkey_url):
 
     with pytest.raises(ValueError, match=r"request 1: .*max_tokens"):
         Client(valkey_url).submit([{"prompt": "ok"}, {"prompt": "x", "max_tokens": 0}], queue="cq")
-    assert conn.llen("rq:queue:cq") == 0
+    assert waiting(conn, "cq") == 0
 
 
 def test_client_takes_openai_batch_lines(conn, valkey_url):

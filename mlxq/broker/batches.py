@@ -16,7 +16,7 @@ import redis
 from rq import Queue
 
 from mlxq.broker import keys
-from mlxq.broker.rq_store import cancel_retry, counters, reads, states
+from mlxq.broker.rq_store import cancel_retry, counters, lanes, reads, states
 from mlxq.broker.serializer import serializer
 from mlxq.wire import BatchInfo, BatchStatus, Result, json_encoder
 
@@ -103,6 +103,7 @@ def batch_status(conn: redis.Redis, batch_id: str) -> BatchStatus:
         state=info.state,
         enqueued=enqueued,
         submitter_alive=bool(alive) and info.state == "submitting",
+        priority=info.priority,
     )
 
 
@@ -194,6 +195,7 @@ def cancel_batch(conn: redis.Redis, batch_id: str, stop_running: bool = True) ->
         else:
             d, f = cancel_retry.cancel_waiting(conn, ids), 0
         dequeued, flagged = dequeued + d, flagged + f
+    lanes.drop_batch(conn, batch_id)  # only cancelled ids are left in them
     return dequeued, flagged
 
 

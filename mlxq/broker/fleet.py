@@ -19,11 +19,12 @@ import redis
 from rq.utils import utcparse
 
 from mlxq.broker import keys
-from mlxq.broker.rq_store import rq_keys
+from mlxq.broker.rq_store import lanes, rq_keys
 from mlxq.wire import QueueInfo, WorkerInfo, json_encoder
 
-# How many jobs at the head of a queue are looked at to find its oldest one: jobs are
-# appended, so the head is the oldest unless some were put back at the front.
+# How many jobs at the head of a queue (and of each of its lanes) are looked at to find its
+# oldest one: jobs are appended, so the head is the oldest unless some were put back at the
+# front.
 OLDEST_SCAN = 16
 
 _worker_decoder = msgspec.json.Decoder(WorkerInfo)
@@ -103,15 +104,14 @@ def queue_overview(conn: redis.Redis, now: float | None = None) -> list[QueueInf
     if not names:
         return []
     now = time.time() if now is None else now
+    depths = lanes.waiting(conn, names)  # the RQ list and the batches' lanes
+    heads = list(lanes.heads(conn, names, OLDEST_SCAN).values())
     with conn.pipeline(transaction=False) as pipe:
         for name in names:
-            pipe.llen(rq_keys.queue_key(name))
             for registry in rq_keys.registry_keys(name):
                 pipe.zcard(registry)
-            pipe.lrange(rq_keys.queue_key(name), 0, OLDEST_SCAN - 1)
         replies = pipe.execute()
-    rows = [replies[i : i + 5] for i in range(0, len(replies), 5)]
-    heads = [[j.decode() for j in row[4]] for row in rows]
+    rows = [[depths[name], *replies[3 * i : 3 * i + 3]] for i, name in enumerate(names)]
     with conn.pipeline(transaction=False) as pipe:
         for ids in heads:
             for job_id in ids:

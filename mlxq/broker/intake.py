@@ -43,18 +43,17 @@ def wait_for_job(
 def dequeue_many(
     worker: BaseWorker, n: int, max_bytes: int = keys.MAX_JOB_BYTES
 ) -> list[Pulled | Unreadable]:
-    """Up to ``n`` jobs without blocking, in queue order, in a few round trips.
+    """Up to ``n`` jobs without blocking, in ``pull.take``'s order (RQ lists, then lanes by
+    priority, equal batches in turn), in a few round trips.
 
     Ids move to RQ's intermediate list until the job is registered, so a crash in between
     loses nothing; a job whose hash cannot be read comes back as an :class:`Unreadable`.
     """
     out: list[Pulled | Unreadable] = []
-    for queue in internals.ordered_queues(worker):
-        if len(out) >= n:
-            break
-        ids = pull.move_many(worker.connection, queue, n - len(out))
-        if ids:
-            out += _load(worker, queue, ids, max_bytes)
+    taken = pull.take(worker.connection, internals.ordered_queues(worker), n)
+    for queue in dict.fromkeys(q for q, _ in taken):  # loaded a queue at a time
+        ids = [job_id for q, job_id in taken if q is queue]
+        out += _load(worker, queue, ids, max_bytes)
     return out
 
 

@@ -26,6 +26,10 @@ BATCH_TTL = DEFAULT_RESULT_TTL + 24 * 3600
 # limit. RQ inflates payloads with no bound (0.78 MB of zlib can become gigabytes).
 MAX_JOB_BYTES = 8 * 1024 * 1024
 
+# Batch priorities, highest first: a worker takes a higher one's jobs before any lower one's.
+PRIORITIES = ("high", "normal", "low")
+DEFAULT_PRIORITY = "normal"
+
 ENV_REDIS_URL = "MLXQ_REDIS_URL"
 
 
@@ -53,6 +57,22 @@ def batch_counts(batch_id: str) -> str:
 def batch_submitter(batch_id: str) -> str:
     """Held (with a short expiry, refreshed per chunk) while a submit enqueues the batch."""
     return f"{PREFIX}:batch:{batch_id}:submitting"
+
+
+def batch_lanes(batch_id: str) -> str:
+    """Set of the queues on which the batch has a lane (``lane``)."""
+    return f"{PREFIX}:batch:{batch_id}:lanes"
+
+
+def lane(queue: str, batch_id: str) -> str:
+    """List of the batch's job ids waiting on ``queue``, in input order: workers share a
+    queue between its batches a job at a time (``rq_store.lanes``)."""
+    return f"{PREFIX}:batch:{batch_id}:lane:{queue}"
+
+
+def lanes(queue: str, priority: str) -> str:
+    """List of the lanes (their keys) of ``queue`` at ``priority``, in round-robin order."""
+    return f"{PREFIX}:lanes:{priority}:{queue}"
 
 
 def batches() -> str:

@@ -25,7 +25,7 @@ from rq import Queue, Retry
 
 from mlxq.broker import keys, routing
 from mlxq.broker.batches import CHUNK, _batch_info_decoder, get_batch, make_queue, new_batch_id
-from mlxq.broker.rq_store import counters
+from mlxq.broker.rq_store import counters, lanes
 from mlxq.errors import StartupError
 from mlxq.wire import BatchInfo, JobMeta, Request, json_encoder
 
@@ -51,6 +51,7 @@ def submit(
     source: str | None = None,
     model: str | None = None,
     expires_in: float | None = None,
+    priority: str = keys.DEFAULT_PRIORITY,
     on_progress: Callable[[int], None] | None = None,
     on_created: Callable[[BatchInfo], None] | None = None,
     on_jobs: Callable[[list[str]], None] | None = None,
@@ -65,8 +66,11 @@ def submit(
     the jobs in chunks, each chunk in one transaction with its ids and counters, so a
     submit cut short leaves a batch that ``resume`` completes or ``cancel_batch`` removes.
     ``expires_in`` seconds after submit, requests that have not started are not run
-    (their results say ``expired``). ``on_jobs`` gets each chunk's job ids.
+    (their results say ``expired``). ``on_jobs`` gets each chunk's job ids. Workers take a
+    higher ``priority``'s jobs first (high, normal, low) and share out equal batches a job
+    at a time (:mod:`~mlxq.broker.rq_store.lanes`).
     """
+    lanes.check_priority(priority)
     created = time.time()
     lease = _new_lease()
     info = BatchInfo(
@@ -83,6 +87,7 @@ def submit(
         job_timeout=job_timeout,
         result_ttl=result_ttl,
         models=routing.plan(requests, queue, model, queue_of),
+        priority=priority,
     )
     with conn.pipeline() as pipe:
         pipe.set(keys.batch_submitter(info.batch_id), lease, ex=SUBMITTER_TTL)
@@ -171,7 +176,7 @@ def _enqueue_rest(
             chunk = requests[at : at + CHUNK]
             datas = [_job_data(req, info, at + i, retry) for i, req in enumerate(chunk)]
             routed = [queues[name] for name in routing.queues_of(chunk, info)]
-            ids = _enqueue_chunk(conn, routed, info.batch_id, datas, at, lease)
+            ids = _enqueue_chunk(conn, routed, info, datas, at, lease)
             if on_jobs:
                 on_jobs(ids)
             if on_progress:
@@ -182,13 +187,14 @@ def _enqueue_rest(
 
 
 def _enqueue_chunk(
-    conn: redis.Redis, routed: list[Queue], batch_id: str, datas: list, at: int, lease: bytes
+    conn: redis.Redis, routed: list[Queue], info: BatchInfo, datas: list, at: int, lease: bytes
 ) -> list[str]:
     """One chunk of jobs (each onto its queue in ``routed``), their ids and their counters in
     one transaction, written only if the batch is not cancelled and this submit still holds
     its lease with the batch's first ``at`` jobs enqueued. The record, the lease and the job
     list are watched, so a cancel or a ``resume`` taking over between the look and the write
     aborts the write."""
+    batch_id = info.batch_id
     watched = (keys.batch_info(batch_id), keys.batch_submitter(batch_id), keys.batch_jobs(batch_id))
     with conn.pipeline() as pipe:
         while True:
@@ -199,7 +205,7 @@ def _enqueue_chunk(
                     raise BatchCancelled(f"batch {batch_id} was cancelled while submitting")
                 _check_lease(pipe, batch_id, at, lease)
                 pipe.multi()
-                ids = _enqueue_routed(pipe, routed, datas)
+                ids = _enqueue_routed(conn, pipe, routed, datas, info)
                 pipe.rpush(keys.batch_jobs(batch_id), *ids)
                 pipe.expire(keys.batch_jobs(batch_id), keys.BATCH_TTL)
                 counters.mark_submitted(pipe, ids, batch_id, [rq.name for rq in routed])
@@ -210,14 +216,22 @@ def _enqueue_chunk(
                 pipe.reset()
 
 
-def _enqueue_routed(pipe: redis.client.Pipeline, routed: list[Queue], datas: list) -> list[str]:
-    """Queue, in ``pipe``, each job onto its queue (a group per queue); the ids in input order."""
+def _enqueue_routed(
+    conn: redis.Redis,
+    pipe: redis.client.Pipeline,
+    routed: list[Queue],
+    datas: list,
+    info: BatchInfo,
+) -> list[str]:
+    """Queue, in ``pipe``, each job onto the batch's lane of its queue (a group per queue,
+    ``lanes``); the ids in input order."""
     ids: list[str] = [""] * len(datas)
     groups: dict[str, list[int]] = {}
     for i, rq in enumerate(routed):
         groups.setdefault(rq.name, []).append(i)
     for where in groups.values():
-        jobs = routed[where[0]].enqueue_many([datas[i] for i in where], pipeline=pipe)
+        group = [datas[i] for i in where]
+        jobs = lanes.enqueue(conn, pipe, routed[where[0]].name, info.batch_id, info.priority, group)
         for i, job in zip(where, jobs, strict=True):
             ids[i] = job.id
     return ids

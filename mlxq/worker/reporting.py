@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import redis
 
 from mlxq.broker import fleet
-from mlxq.broker.rq_store import rq_keys
+from mlxq.broker.rq_store import lanes
 from mlxq.engine.hardware import DeviceFacts
 from mlxq.engine.scheduler import Scheduler
 from mlxq.wire import Result, WorkerInfo
@@ -80,11 +80,8 @@ class Reporter:
         self.metrics.set_in_flight(in_flight)
         self.metrics.set_kv(scheduler.reserved_bytes, scheduler.budget_bytes)
         self.metrics.set_memory(*memory)
-        with conn.pipeline(transaction=False) as pipe:
-            for q in self.queues:
-                pipe.llen(rq_keys.queue_key(q))
-            for q, depth in zip(self.queues, pipe.execute(), strict=True):
-                self.metrics.set_queue_depth(q, depth)
+        for q, depth in lanes.waiting(conn, self.queues).items():  # RQ lists and lanes
+            self.metrics.set_queue_depth(q, depth)
 
     def info(self, scheduler: Scheduler, in_flight: int) -> WorkerInfo:
         """This worker's state now."""

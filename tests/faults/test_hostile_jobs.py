@@ -13,8 +13,10 @@ import pytest
 import redis
 
 from mlxq.broker import batches as q
+from mlxq.broker import keys
 from mlxq.broker.rq_store import rq_keys
 from mlxq.wire import Request
+from tests.helpers import waiting
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +77,7 @@ def test_bad_jobs_fail_alone_and_the_worker_carries_on(start, conn):
     assert "JSON has no NaN" in reasons[2]
     assert "invalid job meta: Expected `str | null`, got `int` - at `$.batch_id`" in reasons[3]
     assert "invalid job meta: not JSON" in reasons[4]
-    assert conn.llen(rq_keys.queue_key("hostile")) == 0
+    assert waiting(conn, "hostile") == 0
     assert "Traceback" not in worker.stop()
 
 
@@ -88,7 +90,7 @@ def test_a_job_taken_out_of_every_list_by_hand_comes_back(start, conn):
         reqs = [Request(prompt=f"p{i}", max_tokens=2, custom_id=f"c{i}") for i in range(3)]
         batch = q.submit(conn, reqs, queue="byhand").batch_id
         lost = q.batch_job_ids(conn, batch)[1]
-        conn.lrem(rq_keys.queue_key("byhand"), 1, lost)
+        conn.lrem(keys.lane("byhand", batch), 1, lost)
     finally:
         worker.proc.send_signal(signal.SIGCONT)
     removed = time.monotonic()

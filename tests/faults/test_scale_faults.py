@@ -13,10 +13,10 @@ import pytest
 
 from mlxq.broker import batches as q
 from mlxq.broker import fleet, keys
-from mlxq.broker.rq_store import reads, rq_keys
+from mlxq.broker.rq_store import reads
 from mlxq.server import make_server
 from tests.faults.test_faults import ROOT, assert_books_balance, start_worker, submit, wait_until
-from tests.helpers import run_mlxq, start_submit
+from tests.helpers import run_mlxq, start_submit, waiting
 
 pytestmark = pytest.mark.slow
 N = 60_000  # big enough that a submit is killed long before it ends (~10k jobs/s)
@@ -45,7 +45,7 @@ def test_a_killed_submit_leaves_a_batch_that_resume_completes(valkey_url, conn, 
     batch_id = _kill_submit_midway(valkey_url, conn, path)
     s = q.batch_status(conn, batch_id)
     assert s.state == "submitting" and 0 < s.enqueued < N and s.total == N, s
-    assert s.queued == s.enqueued == conn.llen(rq_keys.queue_key("big"))
+    assert s.queued == s.enqueued == waiting(conn, "big")
     # Until its lease lapses the dead submit may still be alive: resume waits for it.
     out = run_mlxq("status", batch_id, url=valkey_url)
     assert "still being submitted" in out.stdout, out.stdout
@@ -61,7 +61,7 @@ def test_a_killed_submit_leaves_a_batch_that_resume_completes(valkey_url, conn, 
     s = q.batch_status(conn, batch_id)
     assert (s.state, s.enqueued, s.queued) == ("submitted", N, N)
     ids = q.batch_job_ids(conn, batch_id)
-    assert len(set(ids)) == N == conn.llen(rq_keys.queue_key("big"))
+    assert len(set(ids)) == N == waiting(conn, "big")
     metas = reads.job_metas(conn, ids)
     assert [m.index for m in metas] == list(range(N))  # every line once, in order
     assert [m.custom_id for m in metas[-2:]] == [f"c{N - 2}", f"c{N - 1}"]
@@ -75,7 +75,7 @@ def test_cancel_removes_the_jobs_of_a_killed_submit(valkey_url, conn, tmp_path):
     assert out.returncode == 0 and f"removed {enqueued} queued jobs" in out.stdout, out
     s = q.batch_status(conn, batch_id)
     assert (s.state, s.queued, s.cancelled) == ("cancelled", 0, enqueued)
-    assert conn.llen(rq_keys.queue_key("big")) == 0
+    assert waiting(conn, "big") == 0
     conn.delete(keys.batch_submitter(batch_id))
     again = run_mlxq("submit", str(path), "--resume", batch_id, url=valkey_url)
     assert again.returncode == 1 and "was cancelled" in again.stderr

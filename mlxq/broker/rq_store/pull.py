@@ -9,9 +9,10 @@ the right of its intermediate list, as RQ's one-queue path does), so from the mo
 leaves its queue it is in a list that ``recovery.requeue_stranded`` sweeps.
 
 Assumptions about RQ 3.0 (check them when upgrading): a queue's waiting ids are the list
-``Queue.key``, its intermediate list is ``Queue.intermediate_queue_key``, workers take from
-the left, and a job counts as started only once it is in the started registry (which
-``start_script`` writes, taking the id out of the intermediate list in the same step).
+``Queue.key`` (and, for mlxq's own submits, the queue's lanes: ``lanes``), its intermediate
+list is ``Queue.intermediate_queue_key``, workers take from the left, and a job counts as
+started only once it is in the started registry (which ``start_script`` writes, taking the
+id out of the intermediate list in the same step).
 """
 
 from __future__ import annotations
@@ -22,19 +23,42 @@ from collections.abc import Sequence
 import redis
 from rq.queue import Queue
 
-# How long an idle worker on several queues blocks on its first queue before it looks at
-# all of them again: Redis has no blocking move from several lists, so a job arriving on a
-# later queue waits at most this long. A job on the first queue (the model's) wakes it at once.
+from mlxq.broker.rq_store import lanes
+
+# How long an idle worker blocks on its first queue's RQ list before it looks at every
+# queue and lane again: Redis has no blocking move from several lists, so a job arriving
+# anywhere else waits at most this long. A job on the first queue's list wakes it at once.
 POLL_S = 0.25
 
-# KEYS: queue 1, its intermediate list, queue 2, its intermediate list, ... in dequeue
-# order. Returns {position of the queue (1-based), job id}, or nil when all are empty.
-_MOVE_FIRST = """
-for i = 1, #KEYS, 2 do
-  local id = redis.call('LMOVE', KEYS[i], KEYS[i + 1], 'LEFT', 'RIGHT')
-  if id then return {(i + 1) / 2, id} end
+# KEYS: n queues' RQ lists, their n intermediate lists, then the 3n rotations of
+# ``lanes.rotations`` (every queue's high, then normal, then low). ARGV: 1 n, 2 how many
+# ids at most. Takes the RQ lists first, in queue order, then a rotation's lanes in turn, a
+# job at a time (the lane that gave one goes to the back), dropping a lane found empty.
+# Returns {queue position (1-based), id, queue position, id, ...}.
+_TAKE = """
+local n, want, out = tonumber(ARGV[1]), tonumber(ARGV[2]), {}
+local got = 0
+for i = 1, n do
+  while got < want do
+    local id = redis.call('LMOVE', KEYS[i], KEYS[n + i], 'LEFT', 'RIGHT')
+    if not id then break end
+    out[#out + 1] = i; out[#out + 1] = id; got = got + 1
+  end
 end
-return nil
+for r = 1, 3 * n do
+  local i, rotation = (r - 1) % n + 1, KEYS[2 * n + r]
+  while got < want do
+    local lane = redis.call('LMOVE', rotation, rotation, 'LEFT', 'RIGHT')
+    if not lane then break end
+    local id = redis.call('LMOVE', lane, KEYS[n + i], 'LEFT', 'RIGHT')
+    if id then
+      out[#out + 1] = i; out[#out + 1] = id; got = got + 1
+    else
+      redis.call('LREM', rotation, -1, lane)
+    end
+  end
+end
+return out
 """
 
 
@@ -42,26 +66,33 @@ def _text(raw: bytes | str) -> str:
     return raw.decode() if isinstance(raw, bytes) else raw
 
 
+def take(conn: redis.Redis, queues: Sequence[Queue], n: int) -> list[tuple[Queue, str]]:
+    """Up to ``n`` waiting job ids of ``queues``, each moved into its queue's intermediate
+    list in one atomic step: the queues' RQ lists first, in queue order, then their lanes
+    by priority, equal batches in turn (``lanes``)."""
+    if n <= 0 or not queues:
+        return []
+    keys_ = [q.key for q in queues] + [q.intermediate_queue_key for q in queues]
+    keys_ += lanes.rotations(q.name for q in queues)
+    got = conn.register_script(_TAKE)(keys=keys_, args=[len(queues), n])  # sent once
+    return [(queues[int(got[i]) - 1], _text(got[i + 1])) for i in range(0, len(got), 2)]
+
+
 def move_first(conn: redis.Redis, queues: Sequence[Queue]) -> tuple[Queue, str] | None:
-    """The first waiting job id of the first non-empty queue, moved into that queue's
-    intermediate list in one atomic step; None when every queue is empty."""
-    keys_: list[str] = []
-    for queue in queues:
-        keys_ += [queue.key, queue.intermediate_queue_key]
-    got = conn.register_script(_MOVE_FIRST)(keys=keys_)  # EVALSHA: the script is sent once
-    if not got:
-        return None
-    return queues[int(got[0]) - 1], _text(got[1])
+    """The first waiting job id in :func:`take`'s order, moved into its queue's
+    intermediate list; None when nothing waits."""
+    found = take(conn, queues, 1)
+    return found[0] if found else None
 
 
 def wait_move(
     conn: redis.Redis, queues: Sequence[Queue], timeout: float, poll_s: float = POLL_S
 ) -> tuple[Queue, str] | None:
-    """Up to ``timeout`` seconds for a job id on any of ``queues`` (in their order), moved
-    into its queue's intermediate list; None if none came.
+    """Up to ``timeout`` seconds for a job id on any of ``queues`` (in :func:`take`'s
+    order), moved into its queue's intermediate list; None if none came.
 
-    One queue blocks on it (``BLMOVE``) for the whole wait; several block on the first for
-    ``poll_s`` at a time and look at all of them in between.
+    Blocks on the first queue's RQ list ``poll_s`` at a time and looks at every list and
+    lane in between (lanes fill without waking a blocked move).
     """
     deadline = time.monotonic() + timeout
     while True:
@@ -72,19 +103,15 @@ def wait_move(
         if left <= 0:
             return None
         head = queues[0]
-        block = left if len(queues) == 1 else min(poll_s, left)
-        got = conn.blmove(head.key, head.intermediate_queue_key, max(block, 0.01))
+        got = conn.blmove(head.key, head.intermediate_queue_key, max(min(poll_s, left), 0.01))
         if got is not None:
             return head, _text(got)
 
 
 def move_many(conn: redis.Redis, queue: Queue, n: int) -> list[str]:
-    """Up to ``n`` waiting ids of ``queue`` moved into its intermediate list, in order, in
-    one round trip."""
-    with conn.pipeline(transaction=False) as pipe:
-        for _ in range(n):
-            pipe.lmove(queue.key, queue.intermediate_queue_key)
-        return [_text(i) for i in pipe.execute() if i is not None]
+    """Up to ``n`` waiting ids of ``queue`` (its RQ list, then its lanes) moved into its
+    intermediate list, in :func:`take`'s order, in one round trip."""
+    return [job_id for _, job_id in take(conn, [queue], n)]
 
 
 def drop_from_intermediate(conn: redis.Redis, queue: Queue, job_id: str) -> None:
