@@ -15,7 +15,7 @@ import msgspec
 import redis
 from rq import Queue
 
-from mlxq.broker import keys
+from mlxq.broker import keys, routing
 from mlxq.broker.rq_store import cancel_retry, counters, lanes, reads, states
 from mlxq.broker.serializer import serializer
 from mlxq.wire import BatchInfo, BatchStatus, Result, json_encoder
@@ -103,6 +103,7 @@ def batch_status(conn: redis.Redis, batch_id: str) -> BatchStatus:
         state=info.state,
         enqueued=enqueued,
         submitter_alive=bool(alive) and info.state == "submitting",
+        models=routing.progress(info, counts),
         priority=info.priority,
     )
 

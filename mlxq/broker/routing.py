@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from mlxq.broker import keys
-from mlxq.wire import BatchInfo, BatchModel, Request
+from mlxq.broker.rq_store import counters, states
+from mlxq.wire import BatchInfo, BatchModel, ModelProgress, Request, WorkerInfo
 
 
 def same_model(a: str | None, b: str | None) -> bool:
@@ -58,5 +59,40 @@ def model_names(info: BatchInfo) -> dict[str, list[str]]:
     or ``(none)``, for lines naming none)."""
     out: dict[str, list[str]] = {}
     for m in info.models or [BatchModel(queue=info.queue, lines=info.total, model=info.model)]:
-        out.setdefault(m.queue, []).append(m.model or info.model or "(none)")
+        names = out.setdefault(m.queue, [])
+        name = m.model or info.model or "(none)"
+        if name not in names:
+            names.append(name)
     return out
+
+
+def progress(info: BatchInfo, counts: dict[bytes, bytes]) -> list[ModelProgress]:
+    """The batch's counts per queue, with the models of each, from its counters hash (empty
+    for a batch made before batches could mix models)."""
+    if not info.models:
+        return []
+    per_queue = counters.read_queue_counts(counts)
+    lines: dict[str, int] = {}
+    for m in info.models:
+        lines[m.queue] = lines.get(m.queue, 0) + m.lines
+    empty = dict.fromkeys(states.BUCKETS, 0)
+    return [
+        ModelProgress(queue, models, lines[queue], per_queue.get(queue, empty))
+        for queue, models in model_names(info).items()
+    ]
+
+
+def unserved(models: Sequence[BatchModel], workers: Sequence[WorkerInfo]) -> list[BatchModel]:
+    """The models (of a plan) whose queue no live worker of ``workers`` takes."""
+    served = {name for w in workers for name in w.queues}
+    return [m for m in models if m.queue not in served]
+
+
+def describe(models: Sequence[BatchModel]) -> str:
+    """``2 lines for model 'A' (queue 'A'), 1 line naming no model (queue 'default')``."""
+    return ", ".join(
+        f"{m.lines} line{'s' if m.lines != 1 else ''} "
+        + (f"for model {m.model!r}" if m.model else "naming no model")
+        + f" (queue {m.queue!r})"
+        for m in models
+    )

@@ -44,7 +44,7 @@ def sweep(conn: redis.Redis, queues: Iterable[str], grace_s: float, every_s: flo
             continue
         held = whereabouts.held_ids(conn, queue)
         for batch_id in batch_ids:
-            for job_id in _unheld(conn, batch_id, held):
+            for job_id in _unheld(conn, batch_id, held, queue):
                 got = whereabouts.put_back_if_unheld(conn, job_id, queue, batch_id, grace_s)
                 if got == "requeued":
                     moved.append(job_id)
@@ -65,16 +65,23 @@ def find(conn: redis.Redis, batch_id: str) -> list[str]:
     raw = conn.get(keys.batch_info(batch_id))
     if raw is None or _owed(conn, [batch_id]) == 0:
         return []
-    queue = _info.decode(raw).queue
-    return _unheld(conn, batch_id, whereabouts.held_ids(conn, queue))
+    held = set().union(*(whereabouts.held_ids(conn, q) for q in _info.decode(raw).queues()))
+    return _unheld(conn, batch_id, held)
 
 
-def _unheld(conn: redis.Redis, batch_id: str, held: set[str]) -> list[str]:
-    """The batch's live jobs (by status) that are not in ``held``."""
+def _unheld(
+    conn: redis.Redis, batch_id: str, held: set[str], queue: str | None = None
+) -> list[str]:
+    """The batch's live jobs (by status) that are not in ``held`` (only those enqueued on
+    ``queue`` if given: a batch mixing models has jobs on several queues)."""
     out: list[str] = []
     for ids in batches.iter_job_id_chunks(conn, batch_id):
         states = reads.job_states(conn, ids)
-        out += [j for j, s in zip(ids, states, strict=True) if s in LIVE and j not in held]
+        live = [j for j, s in zip(ids, states, strict=True) if s in LIVE and j not in held]
+        if queue is not None and live:
+            origins = whereabouts.origins(conn, live)
+            live = [j for j, o in zip(live, origins, strict=True) if o == queue]
+        out += live
     return out
 
 
@@ -90,8 +97,9 @@ def _active_batches(conn: redis.Redis, queues: set[str]) -> dict[str, list[str]]
         if raw is None:
             continue
         info = _info.decode(raw)
-        if info.queue in queues and info.state != "cancelled":
-            by_queue[info.queue].append(batch_id)
+        for queue in info.queues():  # (a batch mixing models is on several)
+            if queue in queues and info.state != "cancelled":
+                by_queue[queue].append(batch_id)
     return by_queue
 
 

@@ -16,7 +16,7 @@ import msgspec
 import redis
 
 from mlxq.broker import batches as q
-from mlxq.broker import failures, fleet, unaccounted
+from mlxq.broker import failures, fleet, routing, unaccounted
 from mlxq.cli.fleet import print_queue_overview
 from mlxq.cli.support import connect, fail, progress_bar, redis_option
 from mlxq.cli.tables import emit_table
@@ -53,7 +53,7 @@ def _wait(conn: redis.Redis, info: BatchInfo, timeout: float | None) -> BatchSta
 
         def progress(s: BatchStatus) -> None:
             if sys.stderr.isatty():  # a changing label reprints the line when piped
-                tps = _queue_tps(conn, info.queue)
+                tps = _queue_tps(conn, info.queues())
                 bar.label = (
                     f"batch {batch_id} ({s.started} running, {s.failed} failed, {tps:,.0f} tok/s)"
                 )
@@ -68,18 +68,23 @@ def _not_done(conn: redis.Redis, info: BatchInfo, when: str) -> str:
     again = f"`mlxq results {info.batch_id} --wait -o FILE`"
     try:
         s = q.batch_status(conn, info.batch_id)
-        serving = [w.name for w in fleet.live_workers(conn) if info.queue in w.queues]
+        workers = fleet.live_workers(conn)
     except redis.RedisError as e:
         return f"batch {info.batch_id}: not done {when} (Redis: {e}); wait again with {again}"
     head = f"batch {info.batch_id}: {s.done} of {s.total} done {when}"
-    if not serving:
-        model = f" --model {info.model}" if info.model else ""
-        return (
-            f"{head}; no live worker serves queue {info.queue!r}: start one (`mlxq worker"
-            f"{model} -q {info.queue}`), then wait with {again}"
-        )
+    models = routing.model_names(info)
+    for queue in info.queues():
+        if not any(queue in w.queues for w in workers):
+            model = models.get(queue, ["(none)"])[0]
+            flag = f" --model {model}" if model != "(none)" else ""
+            return (
+                f"{head}; no live worker serves queue {queue!r}: start one (`mlxq worker"
+                f"{flag} -q {queue}`), then wait with {again}"
+            )
+    serving = [w.name for w in workers if set(info.queues()) & set(w.queues)]
+    queues = ", ".join(repr(name) for name in info.queues())
     return (
-        f"{head}; it keeps running on {len(serving)} live worker(s) of queue {info.queue!r} "
+        f"{head}; it keeps running on {len(serving)} live worker(s) of queue {queues} "
         f"({', '.join(serving[:3])}{', ...' if len(serving) > 3 else ''}): wait again with "
         f"{again}, or see `mlxq status {info.batch_id}`"
     )
@@ -110,10 +115,10 @@ def failure_line(conn: redis.Redis, batch_id: str, width: int = 240) -> str:
     return "; ".join(listed)
 
 
-def _queue_tps(conn: redis.Redis, queue: str) -> float:
-    """Recent tokens/s of the live workers serving ``queue`` (what they publish)."""
+def _queue_tps(conn: redis.Redis, queues: list[str]) -> float:
+    """Recent tokens/s of the live workers serving ``queues`` (what they publish)."""
     try:
-        return sum(w.recent_tps for w in fleet.live_workers(conn) if queue in w.queues)
+        return sum(w.recent_tps for w in fleet.live_workers(conn) if set(queues) & set(w.queues))
     except redis.RedisError:
         return 0.0
 
@@ -335,6 +340,14 @@ def status(batch_id: str | None, as_json: bool, redis_url: str) -> None:
         f"batch {batch_id}: {s.done}/{s.total} done — {s.queued} queued, {s.started} "
         f"running, {s.finished} finished, {s.failed} failed, {s.cancelled} cancelled"
     )
+    if len(s.models) > 1:  # a batch mixing models: each one's progress
+        for m in s.models:
+            c = m.counts
+            click.echo(
+                f"  {', '.join(m.models)} (queue {m.queue}): {m.done}/{m.total} done — "
+                f"{c['queued']} queued, {c['started']} running, {c['finished']} finished, "
+                f"{c['failed'] + c['expired']} failed, {c['cancelled']} cancelled"
+            )
     if lost:
         click.echo(
             f"batch {batch_id}: {len(lost)} jobs wait or run by their status but no queue or "

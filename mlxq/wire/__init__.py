@@ -15,6 +15,7 @@ from mlxq.wire.records import (
     BatchStatus,
     JobMeta,
     ModelInfo,
+    ModelProgress,
     QueueInfo,
     WorkerInfo,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "JsonSchemaSpec",
     "Message",
     "ModelInfo",
+    "ModelProgress",
     "QueueInfo",
     "RegexFormat",
     "Request",

@@ -57,12 +57,30 @@ class BatchInfo(Struct):
         return list(dict.fromkeys(m.queue for m in self.models)) or [self.queue]
 
 
+class ModelProgress(Struct):
+    """The jobs of one queue of a batch: the models its lines named (the batch's ``model``,
+    or ``(none)``, for lines naming none), how many, and ``counts`` by state (``queued``,
+    ``started``, ``finished``, ``failed``, ``cancelled``, ``expired``; here ``failed``
+    does not include ``expired``)."""
+
+    queue: str
+    models: list[str]
+    total: int
+    counts: dict[str, int]
+
+    @property
+    def done(self) -> int:
+        """Jobs that will not change any more."""
+        return sum(self.counts[k] for k in ("finished", "failed", "cancelled", "expired"))
+
+
 class BatchStatus(Struct):
     """Counts of a batch's jobs by state.
 
     ``failed`` includes the ``expired`` ones (requests whose batch expired before they
     ran). ``enqueued`` is how many of ``total`` are in Redis: fewer while ``state`` is
     ``submitting`` (``submitter_alive`` says whether a submit is still enqueueing them).
+    ``models`` has the counts per queue (one per model) of a batch whose lines name models.
     """
 
     batch_id: str
@@ -78,6 +96,7 @@ class BatchStatus(Struct):
     enqueued: int | None = None
     submitter_alive: bool = False
     priority: str = "normal"
+    models: list[ModelProgress] = []
 
     @property
     def done(self) -> int:
