@@ -9,7 +9,7 @@ import click
 import redis
 
 from mlxq.broker import batches as q
-from mlxq.broker import keys
+from mlxq.broker import fleet, keys, routing
 from mlxq.cli.results import (
     OutputFormat,
     errors_at,
@@ -56,7 +56,11 @@ def _refusal(e: Any, what: str) -> str:
 @click.option(
     "--queue", "queue_name", help="Queue to submit to [default: the model's, or 'default']."
 )
-@click.option("--model", help="Model the batch is for; names the default queue.")
+@click.option(
+    "--model",
+    help="Model of the lines that name none; names the default queue (a line's own `model` "
+    "sends it to that model's queue).",
+)
 @click.option("--skip-invalid", is_flag=True, help="Enqueue the valid lines and report the rest.")
 @click.option(
     "--retries",
@@ -91,6 +95,12 @@ def _refusal(e: Any, what: str) -> str:
     help="Enqueue the rest of a batch whose submit was interrupted (same FILE; the batch "
     "keeps its own queue and settings).",
 )
+@click.option(
+    "--require-workers",
+    is_flag=True,
+    help="Refuse the file (enqueue nothing) if no live worker serves the queue of some of "
+    "its lines [default: warn about lines naming a model nobody serves].",
+)
 @click.option("--wait", is_flag=True, help="Wait for the batch, with a progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the batch record as JSON.")
 @click.option(
@@ -114,6 +124,7 @@ def submit(
     result_ttl: int,
     expires_in: float | None,
     resume: str | None,
+    require_workers: bool,
     wait: bool,
     as_json: bool,
     output: str | None,
@@ -145,11 +156,13 @@ def submit(
     if resume:
         info = _resume(conn, resume, parsed.requests)
     else:
+        queue = queue_name or keys.queue_name_for_model(model)
+        _check_served(conn, routing.plan(parsed.requests, queue, model), require_workers)
         info = _submit_new(
             conn,
             file,
             parsed.requests,
-            queue=queue_name or keys.queue_name_for_model(model),
+            queue=queue,
             retries=retries,
             job_timeout=job_timeout,
             result_ttl=result_ttl,
@@ -159,11 +172,30 @@ def submit(
     if as_json:
         click.echo(json_encoder.encode(info).decode())
     else:
-        click.echo(
-            f"submitted {info.total} requests to queue {info.queue!r} as batch {info.batch_id}"
-        )
+        names = info.queues()
+        queues = ("queues " if len(names) > 1 else "queue ") + ", ".join(map(repr, names))
+        click.echo(f"submitted {info.total} requests to {queues} as batch {info.batch_id}")
     if wait:
         _wait_and_write(conn, info.batch_id, output, out_fmt, timeout)
+
+
+def _check_served(conn: redis.Redis, plan: list, require: bool) -> None:
+    """Name the lines no live worker would take: all of them refuse the file with
+    ``require``; else those naming a model are warned about (a model-less batch submitted
+    before its workers start is the usual way)."""
+    missing = routing.unserved(plan, fleet.live_workers(conn))
+    if require and missing:
+        fail(
+            f"no live worker serves {routing.describe(missing)}; nothing was enqueued (start "
+            "`mlxq worker --model MODEL` for each, or submit without --require-workers)"
+        )
+    named = [m for m in missing if m.model is not None]
+    if named:
+        click.echo(
+            f"warning: no live worker serves {routing.describe(named)}; they wait until "
+            "one starts (`mlxq worker --model MODEL`; --require-workers refuses instead)",
+            err=True,
+        )
 
 
 _BATCH_SETTINGS = ("queue_name", "model", "retries", "job_timeout", "result_ttl", "expires_in")
