@@ -80,6 +80,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         sliding_window=8,
         sliding_window_pattern=2,
     ),
+    # Heads, KV heads and MLP divisible by 2 and 3: split over 2 or 3 ranks (distributed).
+    "tiny-tp": _tiny(
+        "llama",
+        hidden_size=96,
+        intermediate_size=192,
+        num_attention_heads=6,
+        num_key_value_heads=6,
+    ),
     # A CPU benchmark model: big enough that compute, not per-op overhead, sets the pace.
     "cpu-small": {
         **_TINY,
@@ -87,6 +95,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "intermediate_size": 768,
         "num_hidden_layers": 4,
         "num_key_value_heads": 2,
+    },
+    # cpu-small's size, split over 2 or 3 ranks (bench/distributed.py).
+    "cpu-small-tp": {
+        **_TINY,
+        "hidden_size": 384,
+        "intermediate_size": 1152,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 6,
     },
     "llama-3.2-1b": {
         "model_type": "llama",

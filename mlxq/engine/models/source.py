@@ -164,17 +164,20 @@ def check_adapter(adapter_path: str) -> None:
             )
 
 
-def load_model(name: str, path: Path, adapter_path: str | None = None) -> tuple[Any, Any]:
+def load_model(
+    name: str, path: Path, adapter_path: str | None = None, *, lazy: bool = False
+) -> tuple[Any, Any]:
     """``mlx_lm.load`` of a folder from :func:`resolve_model`, then the adapter, if any, as
     ``mlx_lm.load`` applies it; :class:`ModelError` if the weights or the adapter do not
-    fit the model."""
+    fit the model. ``lazy``: weights are read when first evaluated (a model split over
+    ranks reads only its part)."""
     import mlx_lm
     from mlx_lm.utils import load_adapters
 
     if adapter_path is not None:
         check_adapter(adapter_path)
     try:
-        model, tokenizer = mlx_lm.load(str(path))[:2]
+        model, tokenizer = mlx_lm.load(str(path), lazy=lazy)[:2]
     except (ValueError, KeyError, TypeError, OSError, RuntimeError) as e:
         # RuntimeError: MLX's loaders (a truncated or corrupt safetensors file).
         raise ModelError(f"model {name} could not be loaded: {one_line(e)}") from e

@@ -1,0 +1,123 @@
+"""``mlxq worker --hosts A,B``: one worker whose model is split over several machines.
+
+Without ``MLX_RANK`` in its environment the command starts one rank per host
+(:mod:`mlxq.worker.distributed_ranks`) and waits for them. With it (started so, by
+``mlx.launch``, or by hand), it is one rank: every rank joins the group and checks its
+peers (:mod:`mlxq.engine.distributed.start`) and loads its share of the model
+(:mod:`mlxq.engine.distributed.tensor`). Rank 0 is the RQ worker: it alone talks to
+Redis, sizes the batch (from the smallest rank's memory), sends the engine settings and
+then every engine call (:mod:`mlxq.engine.distributed.lockstep`); the other ranks follow.
+A lost rank fails rank 0's next collective (idle, within seconds): its MLX thread stops,
+its jobs go back on their queues and it exits non-zero; a hung rank stalls rank 0, whose
+``--stall-timeout`` does the same. A rank that loses rank 0 exits non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import redis
+
+from mlxq.engine.distributed.channel import Channel
+from mlxq.engine.distributed.lockstep import LockstepEngine, follow
+from mlxq.engine.distributed.start import Start, greet, join
+from mlxq.engine.distributed.tensor import load_sharded, rank_info
+from mlxq.engine.hardware import DeviceFacts
+from mlxq.engine.models.facts import model_info
+from mlxq.engine.models.source import resolve_model
+from mlxq.engine.protocol import BatchEngine
+from mlxq.errors import StartupError, one_line
+from mlxq.worker.config import resolve
+from mlxq.worker.launch import Setup, engine_for, run_worker
+from mlxq.worker.profile import WorkerProfile
+
+log = logging.getLogger("mlxq.worker.distributed")
+
+
+class EngineOptions(msgspec.Struct):
+    """What :func:`~mlxq.worker.launch.engine_for` reads of a configuration: rank 0's
+    decisions, sent so that every rank builds the same engine."""
+
+    model: str
+    engine: str | None
+    engine_max_batch: int
+    prefill_batch: int
+    prefill_step: int
+    prefill_tokens: int
+    auto_prefill: bool
+    prefix_cache_bytes: int
+    kv_bits: int | None
+
+
+class RankZeroSetup(Setup):
+    """Rank 0's :class:`Setup`: its share of the model, the batch sized from the smallest
+    rank's memory, the engine settings sent to the other ranks, a lockstep engine."""
+
+    def __init__(
+        self, profile: WorkerProfile, conn: redis.Redis, channel: Channel, start: Start
+    ) -> None:
+        super().__init__(profile, conn)
+        self.channel, self.started = channel, start
+
+    def _engine(self, facts: DeviceFacts) -> BatchEngine:
+        name, group = self.profile.model or "", self.channel.group
+        loaded, tokenizer = load_sharded(name, self.path, self.profile.adapter_path, group)
+        facts = msgspec.structs.replace(facts, memory_bytes=self.started.memory_bytes)
+        info = rank_info(model_info(loaded, name, vocab_size=len(tokenizer)), group.size())
+        self.config = resolve(self.profile, facts, info, self.neighbours)
+        options = msgspec.convert(self.config, EngineOptions, from_attributes=True)
+        self.channel.broadcast(msgspec.msgpack.encode(options))
+        log.info(
+            "tensor parallel over %d ranks (%s): %d of %d KV heads per rank; the batch "
+            "is sized from the smallest rank's memory, %.1f GiB",
+            group.size(),
+            ", ".join(self.started.hosts),
+            info.num_kv_heads,
+            info.num_kv_heads * group.size(),
+            self.started.memory_bytes / 2**30,
+        )
+        return LockstepEngine(engine_for(loaded, tokenizer, options), self.channel)  # type: ignore[arg-type]
+
+
+def serve(
+    profile: WorkerProfile,
+    connect: Callable[[], redis.Redis],
+    *,
+    burst: bool = False,
+    log_level: str = "INFO",
+) -> int:
+    """Run ``mlxq worker --hosts``: start the ranks, or be one; the exit status."""
+    if os.environ.get("MLX_RANK") is None:
+        from mlxq.worker.distributed_ranks import launch
+
+        return launch(profile)
+    path = resolve_model(profile.model or "")
+    conn = connect() if os.environ["MLX_RANK"] == "0" else None  # (only rank 0 uses Redis)
+    channel = Channel(join(profile.backend))
+    start = greet(channel, profile.model or "", path)
+    if channel.rank != 0:
+        return _follow(profile, channel, path)
+    assert conn is not None
+    setup = RankZeroSetup(profile, conn, channel, start)
+    setup.start()
+    run_worker(profile, conn, burst=burst, log_level=log_level, setup=setup)
+    return 0
+
+
+def _follow(profile: WorkerProfile, channel: Channel, path: Any) -> int:
+    """A rank other than 0: load its share, build the engine rank 0 describes, follow."""
+    name = profile.model or ""
+    loaded, tokenizer = load_sharded(name, path, profile.adapter_path, channel.group)
+    try:
+        options = msgspec.msgpack.decode(channel.broadcast(), type=EngineOptions)
+        engine = engine_for(loaded, tokenizer, options)  # type: ignore[arg-type]
+        log.info("rank %d of %d: following rank 0", channel.rank, channel.size)
+        steps = follow(engine, channel)
+    except RuntimeError as e:  # (MLX's ring: "connection to a peer was lost")
+        raise StartupError(f"rank {channel.rank} lost the other ranks: {one_line(e)}") from e
+    log.info("rank %d: rank 0 closed the engine after %d steps", channel.rank, steps)
+    return 0

@@ -1,0 +1,93 @@
+"""One process of the distributed engine tests (tests/test_distributed.py).
+
+``python distributed_rank.py MODEL OUT.json [TEMPERATURE]`` runs the same jobs (joining
+and finishing mid-batch: more jobs than rows, varied prompts and lengths) through a slot
+engine and writes every job's token ids to OUT.json. With ``MLX_RANK`` set it is one rank
+of a tensor-parallel group: rank 0 drives a lockstep engine, the others follow, and each
+rank writes what its own engine produced (OUT.json.RANK). Without, it is the one-process
+run, with mlx-lm's single-request greedy tokens beside (``reference``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from engine_reference import reference, run_all
+
+from mlxq.engine.prompts import WARMUP_KEY
+from mlxq.engine.sampling import Completion
+from mlxq.engine.slots.engine import SlotEngine
+from mlxq.wire import Request
+
+MAX_BATCH = 4
+
+
+def jobs(temperature: float) -> dict[str, Request]:
+    """Ten jobs for a 4-row batch; at a temperature, every other job has no seed."""
+    out = {}
+    for i in range(10):
+        prompt = list(range(5 + i, 5 + i + 3 + 7 * (i % 4)))
+        seed = None if temperature and i % 2 else 1000 + i
+        out[f"job{i}"] = Request(
+            prompt=prompt, max_tokens=4 + 5 * (i % 3), temperature=temperature, seed=seed
+        )
+    return out
+
+
+class Recording:
+    """A follower's engine that keeps what its steps finished (the follower drops it)."""
+
+    def __init__(self, inner: SlotEngine) -> None:
+        self.inner, self.done = inner, {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def step(self) -> list[Completion]:
+        finished = self.inner.step()
+        self.done.update({c.key: c.token_ids for c in finished})
+        return finished
+
+
+def main() -> None:
+    model_dir, out = sys.argv[1], Path(sys.argv[2])
+    temperature = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
+    todo = jobs(temperature)
+    if "MLX_RANK" not in os.environ:
+        import mlx_lm
+
+        model, tokenizer = mlx_lm.load(model_dir)
+        engine = SlotEngine(model, tokenizer, "m", max_batch=MAX_BATCH, prefill_batch=2)
+        done = {k: c.token_ids for k, c in run_all(engine, todo, join_every=2).items()}
+        ref = {}
+        if not temperature:
+            ref = {k: reference(model, tokenizer, engine.encode(r), r)["tokens"] for k, r in todo.items()}
+        out.write_text(json.dumps({"tokens": done, "reference": ref}))
+        return
+    from mlxq.engine.distributed.channel import Channel
+    from mlxq.engine.distributed.lockstep import LockstepEngine, follow
+    from mlxq.engine.distributed.start import greet, join
+    from mlxq.engine.distributed.tensor import load_sharded
+
+    channel = Channel(join("ring"))
+    greet(channel, model_dir, Path(model_dir))
+    model, tokenizer = load_sharded(model_dir, Path(model_dir), None, channel.group)
+    engine = SlotEngine(model, tokenizer, "m", max_batch=MAX_BATCH, prefill_batch=2)
+    if channel.rank:
+        recording = Recording(engine)
+        follow(recording, channel)  # type: ignore[arg-type]
+        done = recording.done
+    else:
+        lockstep = LockstepEngine(engine, channel)
+        lockstep.warmup()
+        done = {k: c.token_ids for k, c in run_all(lockstep, todo, join_every=2).items()}
+        lockstep.close()
+    done.pop(WARMUP_KEY, None)
+    out.with_suffix(f".{channel.rank}").write_text(json.dumps({"tokens": done}))
+
+
+if __name__ == "__main__":
+    main()
