@@ -69,8 +69,11 @@ def worker_row(w: WorkerInfo, now: float) -> list[str]:
     model = keys.queue_name_for_model(w.model) if w.model else "-"
     if w.adapter_path:
         model += "+lora"
+    others = [keys.queue_name_for_model(m) for m in w.models if m != w.model]
+    if others:  # a worker of several models: the loaded one, then the others
+        model += f" (+{', '.join(others)})"
     return [
-        f"{w.name} [{w.state}]" if w.state in ("stalled", "paused") else w.name,
+        f"{w.name} [{w.state}]" if w.state in ("stalled", "paused", "switching") else w.name,
         w.host,
         model,
         f"{w.backend} {w.device} {_gib(w.memory_bytes)}",

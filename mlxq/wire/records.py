@@ -157,6 +157,9 @@ class WorkerInfo(Struct):
     # Batch rows in use now (the scheduler's admitted jobs, a row per sample); ``in_flight``
     # also counts jobs pulled early that wait for a row. None from older workers.
     decoding: int | None = None
+    # Every model it serves (``model`` is the one loaded now; ``queues`` holds all their
+    # queues). Empty from older workers and workers of one model.
+    models: list[str] = []
 
 
 class QueueInfo(Struct):

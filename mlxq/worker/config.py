@@ -62,19 +62,39 @@ class WorkerConfig:
     engine_max_batch: int = ENGINE_ROWS  # the engine's own cap (--max-batch, else >= 256)
     share: Share | None = None  # what it may hold beside the live workers on its memory
     batch: BatchChoice | None = None  # how max_batch was decided
+    resident_bytes: int = 0  # weights of its other models kept loaded beside this one
 
     @property
     def claimed_bytes(self) -> int:
         """What it holds of its machine's memory at most: weights, KV budget, prefix cache."""
-        return self.info.param_bytes + self.kv_budget_bytes + self.prefix_cache_bytes
+        weights = self.info.param_bytes + self.resident_bytes
+        return weights + self.kv_budget_bytes + self.prefix_cache_bytes
 
 
 def worker_queues(profile: WorkerProfile) -> tuple[str, ...]:
-    """The profile's queues, or the model's own queue and ``default``."""
+    """The profile's queues, or each model's own queue and then ``default``."""
     if profile.queues:
         return tuple(profile.queues)
-    own = keys.queue_name_for_model(profile.model)
-    return (own,) if own == keys.DEFAULT_QUEUE else (own, keys.DEFAULT_QUEUE)
+    own = [keys.queue_name_for_model(m) for m in profile.served()] or [keys.DEFAULT_QUEUE]
+    return tuple(dict.fromkeys([*own, keys.DEFAULT_QUEUE]))
+
+
+def queues_by_model(profile: WorkerProfile) -> dict[str, tuple[str, ...]]:
+    """The queues each served model pulls from when loaded, in the worker's queue order: its
+    own queue (``keys.queue_name_for_model``) and the shared ones (those that are no served
+    model's own: ``default``, or ``--queue`` names). Two models of one queue name are refused:
+    their jobs could not be told apart."""
+    models = profile.served()
+    own = {m: keys.queue_name_for_model(m) for m in models}
+    if len(set(own.values())) < len(own):
+        raise StartupError(
+            f"models {models} share a queue name ({', '.join(own.values())}): a worker of "
+            "several models tells their jobs apart by queue; serve those models from "
+            "different workers"
+        )
+    mine = set(own.values())
+    queues = worker_queues(profile)
+    return {m: tuple(q for q in queues if q == own[m] or q not in mine) for m in models}
 
 
 def resolve(
@@ -82,16 +102,18 @@ def resolve(
     facts: DeviceFacts,
     info: ModelInfo,
     neighbours: Sequence[WorkerInfo] = (),
+    resident_bytes: int = 0,
 ) -> WorkerConfig:
     """The configuration of a worker serving ``info``'s model on ``facts``' machine, beside
-    ``neighbours`` (the live workers of this host: their memory is not this one's)."""
+    ``neighbours`` (the live workers of this host: their memory is not this one's) and the
+    ``resident_bytes`` of weights of its other models that it keeps loaded."""
     if not profile.model and not info.name:
         raise ValueError("no model: pass --model (a local folder or a hub id) or a --profile")
     if profile.kv_bits is not None:  # the scheduler sizes batches on the quantized bytes
         kv = quantized_kv_bytes(info.kv_bytes_per_token, info.dtype, info.head_dim, profile.kv_bits)
         info = msgspec.structs.replace(info, kv_bytes_per_token=kv)
     room = share(facts, profile.memory_fraction, list(neighbours))
-    total = memory_budget(room.limit_bytes, info.param_bytes, 1.0)
+    total = memory_budget(room.limit_bytes - resident_bytes, info.param_bytes, 1.0)
     if room.others and total < info.kv_bytes_per_token * min(
         info.context_length, PLANNED_JOB_TOKENS
     ):
@@ -133,6 +155,7 @@ def resolve(
         engine_max_batch=profile.max_batch or max(max_batch, ENGINE_ROWS),
         share=room,
         batch=batch,
+        resident_bytes=resident_bytes,
     )
 
 

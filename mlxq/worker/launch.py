@@ -5,25 +5,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import redis
 
 from mlxq.engine.factory import make_engine
 from mlxq.engine.hardware import DeviceFacts
-from mlxq.engine.models.facts import model_info
-from mlxq.engine.models.source import check_adapter, load_model, resolve_model
-from mlxq.engine.models.weights import prepare_weights
 from mlxq.engine.protocol import BatchEngine
 from mlxq.engine.runner import Runner
 from mlxq.engine.scheduler import Scheduler
 from mlxq.errors import StartupError, one_line
-from mlxq.wire import Result
+from mlxq.wire import ModelInfo, Result
 from mlxq.worker import sharing
-from mlxq.worker.config import WorkerConfig, resolve, worker_queues
+from mlxq.worker.config import WorkerConfig, queues_by_model, worker_queues
+from mlxq.worker.model_set import ModelSet
 from mlxq.worker.profile import WorkerProfile
 from mlxq.worker.reporting import Reporter
 from mlxq.worker.rq_worker import MlxqWorker
+from mlxq.worker.switching import ModelSwitcher
 
 if TYPE_CHECKING:  # the metrics extra is imported only when --metrics-port asks for it
     from mlxq.worker.metrics import WorkerMetrics
@@ -34,10 +35,11 @@ __all__ = ["Setup", "build_scheduler", "engine_for", "run_worker", "worker_queue
 
 
 class Setup:
-    """Starting a worker's engine: the model is found (a hub id downloaded) and checked on
+    """Starting a worker's engine: the models are found (hub ids downloaded) and checked on
     the calling thread, so a model that cannot load fails in one line before anything is
-    served; then the MLX thread loads it, resolves the configuration once (the device and
-    the model are known only then) and builds the engine and the scheduler from it.
+    served; then the MLX thread loads the first, resolves the configuration (the device and
+    the model are known only then) and builds the engine and the scheduler from it. A
+    worker of several models builds the next one's the same way (:meth:`switch_to`).
 
     ``conn``: the Redis whose live workers on this host share its memory (read here, before
     the model loads; see :mod:`mlxq.worker.sharing`)."""
@@ -46,11 +48,11 @@ class Setup:
         if not profile.model:
             raise ValueError("no model: pass --model (a local folder or a hub id) or a --profile")
         self.profile = profile
-        self.path = resolve_model(profile.model)
-        if profile.adapter_path is not None:
-            check_adapter(profile.adapter_path)
         self.neighbours = sharing.neighbours(conn) if conn is not None else []
-        self.config: WorkerConfig | None = None  # set on the MLX thread
+        queues_by_model(profile)  # several models of one queue name: refused before loading
+        self.models = ModelSet(profile, self.neighbours)
+        self.config: WorkerConfig | None = None  # set on the MLX thread: the loaded model's
+        self._sized: list[WorkerConfig] = []  # the configurations whose sizing was logged
         self.runner = Runner(self._engine, self._scheduler)
 
     def start(self) -> WorkerConfig:
@@ -59,17 +61,26 @@ class Setup:
         assert self.config is not None
         return self.config
 
-    def _engine(self, facts: DeviceFacts) -> BatchEngine:
-        model, profile = self.profile.model or "", self.profile
-        loaded, tokenizer = load_model(model, self.path, profile.adapter_path)
-        loaded = prepare_weights(loaded, facts.backend, facts.memory_bytes, profile.dequantize)
-        info = model_info(loaded, model, vocab_size=len(tokenizer))
-        self.config = resolve(profile, facts, info, self.neighbours)
+    def switch_to(self, model: str) -> Future[ModelInfo]:
+        """Run ``model`` instead of the loaded one: its engine is built on the MLX thread
+        (the running engine must have finished its jobs); ``config`` is the new model's
+        once the future is done."""
+        return self.runner.replace(lambda facts: self._build(model, facts))
+
+    def _build(self, model: str, facts: DeviceFacts) -> tuple[BatchEngine, Scheduler]:
+        engine = self._engine(facts, model)
+        return engine, self._scheduler(engine, facts)
+
+    def _engine(self, facts: DeviceFacts, model: str | None = None) -> BatchEngine:
+        name = model or self.profile.model or ""
+        loaded, tokenizer, self.config = self.models.prepare(name, facts)
         return engine_for(loaded, tokenizer, self.config)
 
     def _scheduler(self, engine: BatchEngine, facts: DeviceFacts) -> Scheduler:
         assert self.config is not None
-        return build_scheduler(self.config)
+        first = self.config not in self._sized  # a model switched back to is not logged again
+        self._sized.append(self.config)
+        return build_scheduler(self.config, log_sizing=first)
 
 
 def engine_for(
@@ -95,9 +106,10 @@ def engine_for(
     return made
 
 
-def build_scheduler(config: WorkerConfig) -> Scheduler:
+def build_scheduler(config: WorkerConfig, log_sizing: bool = True) -> Scheduler:
     """The scheduler of a configuration (logging the device and model it was sized for)."""
-    _log_sizing(config)
+    if log_sizing:
+        _log_sizing(config)
     return Scheduler(
         max_batch=config.max_batch,
         kv_bytes_per_token=config.info.kv_bytes_per_token,
@@ -182,7 +194,11 @@ def run_worker(
         stall_timeout=config.stall_timeout,
     )
     worker.on_finish = on_finish
-    worker.reporter = _reporter(worker, config, metrics)
+    worker.reporter = _reporter(worker, config, metrics, profile.served())
+    if len(profile.served()) > 1:
+        served = msgspec.structs.replace(profile, queues=queues) if queues else profile
+        worker.switcher = ModelSwitcher(setup, queues_by_model(served), profile.min_model_seconds)
+        worker.switcher.start(worker)
     try:
         worker.work(burst=burst, logging_level=log_level)
     finally:
@@ -210,7 +226,12 @@ def _serve_metrics(profile: WorkerProfile) -> WorkerMetrics | None:
     return metrics
 
 
-def _reporter(worker: MlxqWorker, config: WorkerConfig, metrics: WorkerMetrics | None) -> Reporter:
+def _reporter(
+    worker: MlxqWorker,
+    config: WorkerConfig,
+    metrics: WorkerMetrics | None,
+    models: list[str] | None = None,
+) -> Reporter:
     return Reporter(
         worker.name,
         config.model,
@@ -219,4 +240,5 @@ def _reporter(worker: MlxqWorker, config: WorkerConfig, metrics: WorkerMetrics |
         config.adapter_path,
         metrics,
         claimed_bytes=config.claimed_bytes,
+        models=models,
     )

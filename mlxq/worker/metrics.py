@@ -28,6 +28,8 @@ GENERATION_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 # Tokens per second of one job's decode (its share of the batch) and prefill.
 DECODE_TPS_BUCKETS = (1, 2.5, 5, 10, 20, 30, 50, 75, 100, 150, 250, 500, 1000)
 PREFILL_TPS_BUCKETS = (10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000)
+# Seconds a switch of a worker of several models took to load and warm up the next one.
+MODEL_LOAD_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 # How a sweep found the jobs it put back on their queues.
 RECOVERED = ("abandoned", "stranded", "unaccounted")
@@ -120,6 +122,18 @@ class WorkerMetrics:
         )
         for how in RECOVERED:
             self.recovered.labels(how=how)  # zeros from the start, as for outcomes
+        self.model_switches = Counter(
+            "mlxq_model_switches",
+            "Switches of the loaded model of a worker serving several, from one to another.",
+            ["from", "to"],
+            registry=r,
+        )
+        self.model_load = Histogram(
+            "mlxq_model_load_seconds",
+            "Seconds a switch took to load (or take from memory) and warm up the next model.",
+            buckets=MODEL_LOAD_BUCKETS,
+            registry=r,
+        )
         self.info = Info("mlxq_worker", "The worker's name, model and device.", registry=r)
         for outcome in get_args(FinishReason):
             self.jobs.labels(outcome=outcome)  # export zeros, so rate() works from the start
@@ -156,6 +170,11 @@ class WorkerMetrics:
         """Count ``n`` jobs a sweep put back (``how``: one of ``RECOVERED``)."""
         if n:
             self.recovered.labels(how=how).inc(n)
+
+    def model_switched(self, old: str, new: str, load_s: float) -> None:
+        """Count a switch of the loaded model from ``old`` to ``new`` (load ``load_s`` s)."""
+        self.model_switches.labels(**{"from": old, "to": new}).inc()
+        _observe(self.model_load, load_s)
 
     def _reason_label(self, reason: str) -> str:
         label = _REASON_RE.sub("_", reason.strip().lower()).strip("_")[:40] or "error"

@@ -32,15 +32,29 @@ class Reporter:
         adapter_path: str | None = None,
         metrics: WorkerMetrics | None = None,
         claimed_bytes: int = 0,
+        models: list[str] | None = None,
     ) -> None:
         self.name, self.model, self.queues = name, model, queues
+        self.models = models if models and len(models) > 1 else []  # a worker of several
         self.claimed_bytes = claimed_bytes  # weights + caches: what it holds of the memory
         self.facts, self.adapter_path, self.metrics = facts, adapter_path, metrics
         self.rate = fleet.RecentRate()
         self.done = self.failures = self.tokens = 0
         self.started_at = time.time()
-        if metrics is not None:
-            metrics.set_info(model=model, device=f"{facts.backend} {facts.name}", host=facts.host)
+        self._set_info()
+
+    def _set_info(self) -> None:
+        if self.metrics is not None:
+            facts = self.facts
+            device = f"{facts.backend} {facts.name}"
+            self.metrics.set_info(model=self.model, device=device, host=facts.host)
+
+    def switched(self, old: str, new: str, claimed_bytes: int, load_s: float) -> None:
+        """The worker's loaded model changed from ``old`` to ``new`` (in ``load_s`` s)."""
+        self.model, self.claimed_bytes = new, claimed_bytes
+        self._set_info()
+        if self.metrics is not None:
+            self.metrics.model_switched(old, new, load_s)
 
     def finished(self, result: Result) -> None:
         """A job ended with a result (any finish reason)."""
@@ -108,4 +122,5 @@ class Reporter:
             adapter_path=self.adapter_path,
             memory_claimed_bytes=self.claimed_bytes,
             memory_domain=self.facts.memory_domain,
+            models=self.models,
         )

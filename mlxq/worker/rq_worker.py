@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 import redis
@@ -37,6 +38,9 @@ from mlxq.worker.stopping import release, release_all
 from mlxq.worker.taking import IDLE_PULL_TIMEOUT_S, JobIntake
 from mlxq.worker.watchdog import EngineStalled
 from mlxq.worker.writeback import MAX_RESULT_BYTES, Failure, ResultLimit, Writeback, result_limit
+
+if TYPE_CHECKING:
+    from mlxq.worker.switching import ModelSwitcher
 
 log = logging.getLogger("mlxq.worker")
 
@@ -88,6 +92,7 @@ class MlxqWorker(JobIntake, BaseWorker):
         self.server_watch = ServerWatch(self.log, self.name)  # evicting policy: intake paused
         self.jobs_done = 0
         self.reporter: Reporter | None = None  # set by the launcher: fleet info, metrics
+        self.switcher: ModelSwitcher | None = None  # set by the launcher: several models
         # Called with each finished job's Result (progress bars, metrics).
         self.on_finish: Callable[[Result], None] | None = None
         self._force_stop = False
@@ -176,8 +181,11 @@ class MlxqWorker(JobIntake, BaseWorker):
         busy = bool(self.inflight or self.owed)
         if max_jobs is not None and self.jobs_done >= max_jobs and not busy:
             return True
-        pulled = 0 if self.intake_paused else self._pull(block=not busy and not burst)
-        if burst and not pulled and not self.inflight and not self.intake_paused:
+        # A worker of several models takes no jobs while it switches (``switching``).
+        holding = self.switcher is not None and self.switcher.holding(self)
+        closed = self.intake_paused or holding
+        pulled = 0 if closed else self._pull(block=not busy and not burst)
+        if burst and not pulled and not self.inflight and not closed:
             self.log.info("Worker %s: queues empty, nothing in flight: done", self.name)
             return True
         self._report_if_due()
@@ -276,9 +284,15 @@ class MlxqWorker(JobIntake, BaseWorker):
             len(self.inflight),
             ttl=self.abandon_after,
             memory=self.runner.memory,
-            state="paused" if self.intake_paused else "running",
+            state=self._published_state(),
             step_age_s=watchdog.step_age(self.runner, self.inflight),
         )
+
+    def _published_state(self) -> str:
+        """The state published: paused (Redis may evict), switching models, or running."""
+        if self.intake_paused:
+            return "paused"
+        return "switching" if self.switcher is not None and self.switcher.busy else "running"
 
     def _control_if_due(self) -> None:
         """Cancel flags and time limits every ``CONTROL_INTERVAL_S`` (``watchdog.stop_due``)."""

@@ -3,6 +3,7 @@ when upgrading RQ."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from rq import worker_registration
@@ -16,6 +17,12 @@ from rq.worker import BaseWorker
 def ordered_queues(worker: BaseWorker) -> list[Queue]:
     """The worker's queues in dequeue order (RQ keeps no public accessor)."""
     return worker._ordered_queues
+
+
+def pull_only(worker: BaseWorker, names: Collection[str]) -> None:
+    """Dequeue only from these of the worker's queues, in its order (a worker of several
+    models pulls for the loaded one); it still serves, sweeps and lists them all."""
+    worker._ordered_queues = [q for q in worker.queues if q.name in names]
 
 
 # RQ's BaseWorker keeps its stop flag, signal set-up and pubsub error handler private; the
