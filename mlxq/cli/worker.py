@@ -4,6 +4,7 @@ merging ``mlxq run`` shares."""
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -25,19 +26,7 @@ def setup_logging(level: str, fmt: str = "text") -> None:
 def worker_options(f: Callable) -> Callable:
     """The model and engine options ``mlxq worker`` and ``mlxq run`` take."""
     options = [
-        click.option(
-            "--model",
-            multiple=True,
-            help="Model to serve: a local folder, a hub id or a .gguf file. Repeat it to serve "
-            "several, one loaded at a time (the first loads first).",
-        ),
-        click.option(
-            "--min-model-seconds",
-            type=click.FloatRange(0),
-            help="With several --model: seconds a model keeps the worker while its queues "
-            "have work before another model's waiting jobs take it "
-            f"[default: {DEFAULTS.min_model_seconds:g}].",
-        ),
+        click.option("--model", help="Model to serve: a local folder, a hub id or a .gguf file."),
         click.option(
             "--profile",
             type=click.Path(exists=True, dir_okay=False),
@@ -162,6 +151,17 @@ def worker_profile(profile: str | None, **overrides: Any):  # -> WorkerProfile
     help="Serve Prometheus metrics on this port (the metrics extra: pip install -e '.[metrics]').",
 )
 @click.option("--name", help="Worker name shown by `rq info` [default: random].")
+@click.option(
+    "--hosts",
+    callback=lambda _ctx, _param, v: None if v is None else [h for h in v.split(",") if h],
+    help="Split the model over these hosts, comma-separated, this one first: one worker, "
+    "tensor parallel through MLX's distributed backend (README: A model bigger than one Mac).",
+)
+@click.option(
+    "--backend",
+    type=click.Choice(["ring", "jaccl"]),
+    help="MLX distributed backend for --hosts [default: ring].",
+)
 @redis_option
 def worker(
     profile: str | None,
@@ -178,8 +178,12 @@ def worker(
 
     setup_logging(log_level, log_format)
     prof = worker_profile(profile, queues=list(queues), **settings)
-    conn = connect(redis_url, writes_jobs=True)
     try:
-        run_worker(prof, conn, burst=burst, log_level=log_level)
+        if prof.hosts:  # one worker over several machines
+            from mlxq.worker.distributed_launch import serve
+
+            redis = functools.partial(connect, redis_url, writes_jobs=True)
+            sys.exit(serve(prof, redis, burst=burst, log_level=log_level))
+        run_worker(prof, connect(redis_url, writes_jobs=True), burst=burst, log_level=log_level)
     except EngineStalled as e:
         fail(f"engine stalled: {e}", code=STALLED_EXIT)
