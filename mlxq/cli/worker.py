@@ -26,7 +26,19 @@ def setup_logging(level: str, fmt: str = "text") -> None:
 def worker_options(f: Callable) -> Callable:
     """The model and engine options ``mlxq worker`` and ``mlxq run`` take."""
     options = [
-        click.option("--model", help="Model to serve: a local folder, a hub id or a .gguf file."),
+        click.option(
+            "--model",
+            multiple=True,
+            help="Model to serve: a local folder, a hub id or a .gguf file. Repeat it to serve "
+            "several, one loaded at a time (the first loads first).",
+        ),
+        click.option(
+            "--min-model-seconds",
+            type=click.FloatRange(0),
+            help="With several --model: seconds a model keeps the worker while its queues "
+            "have work before another model's waiting jobs take it "
+            f"[default: {DEFAULTS.min_model_seconds:g}].",
+        ),
         click.option(
             "--profile",
             type=click.Path(exists=True, dir_okay=False),

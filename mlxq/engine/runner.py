@@ -7,12 +7,14 @@ from another, so Redis round trips never stall a decode step.
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -47,6 +49,16 @@ class _Cancel:
 @dataclass
 class _Withdraw:
     reply: queue.Queue[list[str]]  # gets the keys of the jobs taken back
+
+
+# Builds the next engine and its scheduler on the MLX thread (``Runner.replace``).
+Build = Callable[[DeviceFacts], tuple[BatchEngine, Scheduler]]
+
+
+@dataclass
+class _Replace:
+    build: Build
+    done: Future[ModelInfo]
 
 
 class Runner:
@@ -110,6 +122,15 @@ class Runner:
             return reply.get(timeout=timeout)
         except queue.Empty:
             return []
+
+    def replace(self, build: Build) -> Future[ModelInfo]:
+        """Close the engine (its KV cache freed) and run ``build``'s engine and scheduler
+        instead, on the MLX thread; the future holds the new model's facts, or the error
+        (the MLX thread then stops). Only for an engine with no jobs, none pending: a worker
+        switching models stops taking jobs and lets its running ones finish first."""
+        done: Future[ModelInfo] = Future()
+        self._inbox.put(_Replace(build, done))
+        return done
 
     def completions(self, timeout: float = 0.0) -> list[Completion]:
         """Finished jobs, waiting up to ``timeout`` seconds for the first one."""
@@ -176,7 +197,8 @@ class Runner:
             log.exception("MLX thread stopped on an unexpected error")
             self._error = e
         finally:
-            self.engine.close()
+            if self.engine is not None:
+                self.engine.close()
 
     def _sample_memory(self) -> None:
         if time.monotonic() - self._memory_at >= 1.0:
@@ -195,6 +217,8 @@ class Runner:
             elif isinstance(item, _Withdraw):
                 item.reply.put([w.job.key for w in self._pending])
                 self._pending.clear()
+            elif isinstance(item, _Replace):
+                self._replace(item)
             else:
                 order = admission_order([len(w.tokens) for w in item])
                 self._pending.extend(item[i] for i in order)
@@ -205,6 +229,26 @@ class Runner:
                 break
         if arrived:
             self._size_prefill()
+
+    def _replace(self, item: _Replace) -> None:
+        """Swap the engine (``replace``); a failed build stops this thread."""
+        assert self.engine is not None and self.facts is not None
+        if self._pending or self.engine.active:
+            item.done.set_exception(RuntimeError("the engine still has jobs: not replaced"))
+            return
+        # The scheduler stays for readers (the worker publishes it) until the new one is set.
+        self.engine.close()
+        self.engine = None
+        gc.collect()  # the old engine's arrays, before the next model's take their place
+        mx.clear_cache()
+        try:
+            engine, scheduler = item.build(self.facts)
+        except BaseException as e:
+            item.done.set_exception(e)
+            raise
+        self.engine, self.scheduler = engine, scheduler
+        self.last_progress = time.monotonic()
+        item.done.set_result(engine.info)
 
     def _size_prefill(self) -> None:
         """Resize the prefill batch for the jobs waiting now (once per arrival, not per
