@@ -42,9 +42,13 @@ class Client:
         queue: str = keys.DEFAULT_QUEUE,
         retries: int = 0,
         job_timeout: int = keys.DEFAULT_JOB_TIMEOUT,
+        priority: str = keys.DEFAULT_PRIORITY,
     ) -> BatchInfo:
-        """Validate and enqueue requests as one batch (dicts are checked like file lines)."""
-        return self._submit(requests, queue=queue, retries=retries, job_timeout=job_timeout)[0]
+        """Validate and enqueue requests as one batch (dicts are checked like file lines).
+        Workers take a higher ``priority``'s jobs first (``"high"``, ``"normal"``,
+        ``"low"``); batches of equal priority share them a job at a time."""
+        settings = {"retries": retries, "job_timeout": job_timeout, "priority": priority}
+        return self._submit(requests, queue=queue, **settings)[0]
 
     def _submit(
         self, requests: Iterable[Request | Mapping[str, Any]], **kwargs: Any

@@ -4,6 +4,7 @@ job at a time; cancel drops lanes; every sweep sees a lane's jobs as held."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -16,7 +17,7 @@ from mlxq.broker.recovery import requeue_stranded
 from mlxq.broker.rq_store import lanes, pull, reads, rq_keys, whereabouts
 from mlxq.broker.serializer import serializer
 from mlxq.wire import Request
-from tests.helpers import dequeued
+from tests.helpers import dequeued, run_mlxq
 
 
 def _batch(conn: redis.Redis, n: int, queue: str, priority: str = "normal") -> list[str]:
@@ -149,3 +150,44 @@ def test_status_shows_the_priority_and_queue_depth_counts_lanes(conn):
     assert q.batch_status(conn, info.batch_id).priority == "low"
     (row,) = [r for r in fleet.queue_overview(conn) if r.name == "depth"]
     assert row.queued == 3 and row.oldest_enqueued_at is not None
+
+
+# -- where users set it: mlxq submit, the Python client, the OpenAI API's metadata ----------
+
+
+def test_submit_and_the_client_set_the_priority_and_refuse_others(conn, valkey_url, tmp_path):
+    from mlxq.client import Client
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "x", "max_tokens": 2}\n')
+    done = run_mlxq(
+        "submit", str(path), "--queue", "cli-prio", "--priority", "high", "--json", url=valkey_url
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["priority"] == "high"
+    bad = run_mlxq("submit", str(path), "--priority", "urgent", url=valkey_url)
+    assert bad.returncode == 2 and "'urgent' is not one of 'high', 'normal', 'low'" in bad.stderr
+    batch = json.loads(done.stdout)["batch_id"]
+    again = run_mlxq("submit", str(path), "--resume", batch, "--priority", "low", url=valkey_url)
+    assert again.returncode == 1 and "drop --priority" in again.stderr
+    client = Client(valkey_url)
+    assert client.submit([{"prompt": "y"}], queue="cli-prio", priority="low").priority == "low"
+    with pytest.raises(ValueError, match="priority: 'soon' is not one of"):
+        client.submit([{"prompt": "y"}], queue="cli-prio", priority="soon")
+    assert lanes.waiting(conn, ["cli-prio"]) == {"cli-prio": 2}
+
+
+def test_the_api_takes_the_priority_from_the_batchs_metadata(client, conn):
+    import openai
+    from api_servers import completion_line, create, upload
+
+    file_id = upload(client, [completion_line("a", "Once")])
+    made = create(client, file_id, metadata={"priority": "high", "job": "evals"})
+    (info,) = [b for b in _batches(conn) if b.source == f"api:{made.id}"]
+    assert info.priority == "high"
+    with pytest.raises(openai.BadRequestError, match=r"metadata\.priority: 'now' is not one of"):
+        create(client, file_id, metadata={"priority": "now"})
+
+
+def _batches(conn: redis.Redis) -> list:
+    return [q.get_batch(conn, b.decode()) for b in conn.zrange(keys.batches(), 0, -1)]

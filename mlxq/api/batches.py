@@ -93,7 +93,8 @@ def create_batch(
             validated.errors = _unserved_errors(conn, validated)
         if validated.errors:
             return store.update_batch(conn, batch.id, lambda s: _fail(s, validated.errors))
-        _submit(conn, batch.id, validated.requests, validated.model)
+        priority = (metadata or {}).get("priority", keys.DEFAULT_PRIORITY)
+        _submit(conn, batch.id, validated.requests, validated.model, priority)
     return refresh(conn, batch.id, force=True)  # after the lock: it may finalize
 
 
@@ -128,6 +129,13 @@ def _check_params(endpoint: str, window: str, metadata: dict[str, str] | None) -
                 f"metadata: keys are at most 64 characters and values at most 512 ({k[:64]!r})",
                 param="metadata",
             )
+    # mlxq reads one key: the batch's priority (workers take higher priorities first)
+    if metadata.get("priority", keys.DEFAULT_PRIORITY) not in keys.PRIORITIES:
+        raise bad_request(
+            f"metadata.priority: {metadata['priority']!r} is not one of "
+            f"{', '.join(keys.PRIORITIES)}",
+            param="metadata",
+        )
 
 
 def _fail(state: BatchState, errors: list[BatchError]) -> bool:
@@ -139,8 +147,10 @@ def _fail(state: BatchState, errors: list[BatchError]) -> bool:
     return True
 
 
-def _submit(conn: redis.Redis, batch_id: str, requests: list, model: str | None) -> None:
-    """Enqueue the requests as one mlxq batch on the model's queue."""
+def _submit(
+    conn: redis.Redis, batch_id: str, requests: list, model: str | None, priority: str
+) -> None:
+    """Enqueue the requests as one mlxq batch on the model's queue, at ``priority``."""
     mlxq_id = q.new_batch_id()
     queue = keys.queue_name_for_model(model)
 
@@ -152,7 +162,10 @@ def _submit(conn: redis.Redis, batch_id: str, requests: list, model: str | None)
 
     # The mlxq batch id is recorded first, so a submit cut short can be cleaned up.
     store.update_batch(conn, batch_id, prepare)
-    q.submit(conn, requests, queue=queue, batch_id=mlxq_id, source=f"api:{batch_id}", model=model)
+    source = f"api:{batch_id}"
+    q.submit(
+        conn, requests, queue=queue, batch_id=mlxq_id, source=source, model=model, priority=priority
+    )
 
     def started(state: BatchState) -> bool:
         state.submitted = True

@@ -338,7 +338,8 @@ def status(batch_id: str | None, as_json: bool, redis_url: str) -> None:
         return
     click.echo(
         f"batch {batch_id}: {s.done}/{s.total} done — {s.queued} queued, {s.started} "
-        f"running, {s.finished} finished, {s.failed} failed, {s.cancelled} cancelled"
+        f"running, {s.finished} finished, {s.failed} failed, {s.cancelled} cancelled; "
+        f"priority {s.priority}"
     )
     if len(s.models) > 1:  # a batch mixing models: each one's progress
         for m in s.models:

@@ -19,7 +19,7 @@ from mlxq.cli.results import (
     wait_with_progress,
     write_output,
 )
-from mlxq.cli.support import connect, fail, progress_bar, redis_option
+from mlxq.cli.support import connect, fail, priority_option, progress_bar, redis_option
 from mlxq.cli.tables import input_options
 from mlxq.formats.tables import InputOptions
 from mlxq.wire import json_encoder
@@ -89,6 +89,7 @@ def _refusal(e: Any, what: str) -> str:
     help="Seconds after which requests that have not started are not run "
     "(their results say 'expired').",
 )
+@priority_option
 @click.option(
     "--resume",
     metavar="BATCH",
@@ -123,6 +124,7 @@ def submit(
     job_timeout: int,
     result_ttl: int,
     expires_in: float | None,
+    priority: str,
     resume: str | None,
     require_workers: bool,
     wait: bool,
@@ -168,6 +170,7 @@ def submit(
             result_ttl=result_ttl,
             expires_in=expires_in,
             model=model,
+            priority=priority,
         )
     if as_json:
         click.echo(json_encoder.encode(info).decode())
@@ -198,7 +201,15 @@ def _check_served(conn: redis.Redis, plan: list, require: bool) -> None:
         )
 
 
-_BATCH_SETTINGS = ("queue_name", "model", "retries", "job_timeout", "result_ttl", "expires_in")
+_BATCH_SETTINGS = (
+    "queue_name",
+    "model",
+    "retries",
+    "job_timeout",
+    "result_ttl",
+    "expires_in",
+    "priority",
+)
 
 
 def _refuse_settings_with_resume(ctx: click.Context) -> None:

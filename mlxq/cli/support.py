@@ -1,5 +1,5 @@
 """What every mlxq command shares: the ``--redis-url`` option, connecting, failing, progress
-bars."""
+bars (and ``--priority``, which the commands that submit share)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,18 @@ def redis_option(f: Callable) -> Callable:
         show_default=True,
         callback=check_redis_url,
         help="Redis/Valkey to use (redis://, rediss:// for TLS, unix://).",
+    )(f)
+
+
+def priority_option(f: Callable) -> Callable:
+    """``--priority`` of a batch, as ``mlxq submit`` and ``mlxq run`` take it."""
+    return click.option(
+        "--priority",
+        type=click.Choice(keys.PRIORITIES),
+        default=keys.DEFAULT_PRIORITY,
+        show_default=True,
+        help="Workers take a higher priority's jobs first; batches of equal priority share "
+        "the workers a job at a time.",
     )(f)
 
 
