@@ -95,7 +95,7 @@ def test_results_in_openai_batch_format_with_an_errors_file(valkey_url, conn, tm
             "method": "POST",
             "url": "/v1/chat/completions",
             "body": {
-                "model": "m",
+                "model": tiny_model,
                 "messages": [{"role": "user", "content": "Hi"}],
                 "max_tokens": 4,
             },
@@ -104,7 +104,9 @@ def test_results_in_openai_batch_format_with_an_errors_file(valkey_url, conn, tm
     ]
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     batch = json.loads(
-        run_mlxq("submit", str(src), "--queue", "oa", "--json", url=valkey_url).stdout
+        run_mlxq(
+            "submit", str(src), "--queue", "oa", "--model", tiny_model, "--json", url=valkey_url
+        ).stdout
     )["batch_id"]
     assert (
         run_mlxq("worker", "--model", tiny_model, "-q", "oa", "--burst", url=valkey_url).returncode

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def write_mixed(path: Path) -> list[dict]:
+def write_mixed(path: Path, model: str) -> list[dict]:
+    """mlxq and OpenAI lines; the OpenAI ones name ``model`` (the one the batch is for)."""
     lines = [
         {"custom_id": "text-0", "prompt": "The quick brown fox", "max_tokens": 12},
         {"custom_id": "text-1", "prompt": "Once upon a time there was", "max_tokens": 20},
@@ -33,7 +34,7 @@ def write_mixed(path: Path) -> list[dict]:
             "method": "POST",
             "url": "/v1/chat/completions",
             "body": {
-                "model": "m",
+                "model": model,
                 "messages": [{"role": "user", "content": "Say hi"}],
                 "max_tokens": 8,
             },
@@ -42,7 +43,7 @@ def write_mixed(path: Path) -> list[dict]:
             "custom_id": "oa-comp",
             "method": "POST",
             "url": "/v1/completions",
-            "body": {"model": "m", "prompt": "In the beginning", "max_tokens": 9},
+            "body": {"model": model, "prompt": "In the beginning", "max_tokens": 9},
         },
     ]
     lines += [
@@ -97,9 +98,9 @@ def _load(path, load):
 
 def test_two_burst_workers_return_every_result_exactly_once(tiny_model, valkey_url, conn, tmp_path):
     src = tmp_path / "mixed.jsonl"
-    lines = write_mixed(src)
+    lines = write_mixed(src, tiny_model)
     env = {**os.environ, "MLXQ_REDIS_URL": valkey_url}
-    sub = run_mlxq("submit", str(src), "--queue", "e2e", env=env)
+    sub = run_mlxq("submit", str(src), "--queue", "e2e", "--model", tiny_model, env=env)
     assert sub.returncode == 0, sub.stderr
     batch_id = sub.stdout.strip().split()[-1]
 
@@ -159,7 +160,7 @@ def test_two_burst_workers_return_every_result_exactly_once(tiny_model, valkey_u
 
 def test_run_locally_on_embedded_valkey(tiny_model, tmp_path):
     src = tmp_path / "mixed.jsonl"
-    lines = write_mixed(src)
+    lines = write_mixed(src, tiny_model)
     out = tmp_path / "out.jsonl"
     env = {k: v for k, v in os.environ.items() if k != "MLXQ_REDIS_URL"}
     run = run_mlxq(

@@ -5,6 +5,7 @@ are named at submit (issue 29 item 1)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -186,3 +187,24 @@ def test_a_mixed_file_runs_on_two_workers_results_in_input_order(
         "default": (3, 3),
     }
     assert status["finished"] == 15
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("given", [True, False])
+def test_mlxq_run_serves_a_files_models_one_after_another(tmp_path, tiny_model, other_model, given):
+    """`mlxq run` with lines for two models: one after another, results in input order;
+    --model is the model of the lines naming none (without it: the first one named)."""
+    src = write_lines(tmp_path / "mixed.jsonl", mixed_lines(other_model, tiny_model))
+    env = {k: v for k, v in os.environ.items() if k != "MLXQ_REDIS_URL"}
+    out = tmp_path / "out.jsonl"
+    args = ["run", str(src), "-o", str(out), "--json", "--data-dir", str(tmp_path / "data")]
+    done = run_mlxq(*args, *(["--model", tiny_model] if given else []), env=env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1])["finished"] == 5
+    results = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["custom_id"] for r in results] == [f"c{i}" for i in range(5)]
+    unnamed = tiny_model if given else other_model  # c2 names no model
+    models = [other_model, tiny_model, unnamed, tiny_model, other_model]
+    assert [r["model"] for r in results] == models
+    loads = [line.split("loading ")[-1] for line in done.stderr.splitlines() if "loading" in line]
+    assert loads == [other_model, tiny_model], done.stderr  # in order of first appearance
