@@ -23,6 +23,13 @@ from mlxq.cli.results import (
     output_options,
     write_output,
 )
+from mlxq.cli.run_models import (
+    first_named,
+    models_to_serve,
+    private_queues,
+    queue_of,
+    summed,
+)
 from mlxq.cli.run_state import (
     RUN_QUEUE_PREFIX,
     RunPlace,
@@ -41,6 +48,7 @@ from mlxq.wire import BatchInfo, Request, Result, json_encoder
 if TYPE_CHECKING:  # (the worker's modules load MLX: imported where a run needs them)
     import redis
 
+    from mlxq.engine.stats import EngineStats
     from mlxq.worker.launch import Setup
     from mlxq.worker.profile import WorkerProfile
 
@@ -102,7 +110,9 @@ def run(
     **settings: Any,
 ) -> None:
     """Run a JSONL FILE (or a CSV/Parquet table, see `mlxq submit`) through a model on this
-    machine and write the results to OUTPUT, in input order.
+    machine and write the results to OUTPUT, in input order. Lines may name their models
+    (`model`, OpenAI's `body.model`; --model is the model of those that name none): the
+    run serves each model in turn, in order of first appearance.
 
     With no --redis-url (or MLXQ_REDIS_URL) it starts an embedded Valkey (persisting to
     --data-dir), submits the batch, serves it with an in-process worker, writes OUTPUT and
@@ -118,8 +128,11 @@ def run(
     if data_dir is not None and redis_url:
         fail("--data-dir is for the embedded server; with --redis-url the batch stays there")
     out_fmt = output_format(output, fmt, endpoint, errors, with_input)
-    prof = worker_profile(profile, **settings)
     parsed = read_file(file, skip_invalid, inputs)
+    if not settings.get("model") and not profile:  # the lines name their models
+        first = first_named(parsed.requests)
+        settings["model"] = (first,) if isinstance(settings.get("model"), tuple) else first
+    prof = worker_profile(profile, **settings)
     digest = q.requests_digest(parsed.requests)
     own = default_folder(file, digest, prof.model or "")
     where = f" (what is done is kept in {data_dir or own})" if not redis_url else ""
@@ -173,27 +186,28 @@ def _run(
     found = find_unfinished(conn, digest, model, complete_too=place.own_folder) if resume else None
     if found is not None:
         if place.folder is not None:
-            take_back(conn, found.queue)
+            for queue in found.queues():
+                take_back(conn, queue)
         done = q.batch_status(conn, found.batch_id).done
         click.echo(
             f"resuming batch {found.batch_id}: {done} of {found.total} requests were done "
             f"before ({place.kept()})",
             err=True,
         )
-    # The model loads before the batch exists: a model that cannot load leaves nothing.
-    setup = Setup(prof, conn)
-    click.echo(f"loading {prof.model}", err=True)
-    setup.start()
-    engine = setup.runner.engine
-    assert engine is not None
-    before = engine.stats()  # the warmup's work is not the run's
+    # Every model is found, and the first loads, before the batch exists: a model that
+    # cannot load leaves nothing.
+    models = models_to_serve(requests, model)
+    runs = [msgspec.structs.replace(prof, model=m, models=[]) for m in models]
+    setups = [Setup(run_prof, conn) for run_prof in runs]
+    click.echo(f"loading {runs[0].model}", err=True)
+    setups[0].start()
     info = _batch(conn, found, requests, file, model, priority)
     done_before = q.batch_status(conn, info.batch_id).done
     start = time.monotonic()
-    ran, tokens = _serve(prof, conn, info, done_before, setup, log_level)
+    ran, tokens, works = _serve(runs, conn, info, done_before, setups, log_level)
     s = q.batch_status(conn, info.batch_id)
     elapsed = time.monotonic() - start
-    work = engine.stats().since(before)
+    work = summed(works)
     click.echo(
         f"{s.finished} finished, {s.failed} failed in {elapsed:.1f}s: "
         f"{tokens / max(elapsed, 1e-9):,.0f} generated tok/s "
@@ -239,7 +253,7 @@ def _batch(
     priority: str,
 ) -> BatchInfo:
     """The batch to serve: ``found`` (its submit finished if it was cut short), or a new
-    one on a private queue (this run's worker drains exactly this batch)."""
+    one on private queues (this run's workers drain exactly this batch), one per model."""
     if found is None:
         batch_id = q.new_batch_id()
         queue = f"{RUN_QUEUE_PREFIX}{batch_id}"
@@ -251,6 +265,7 @@ def _batch(
             source=file,
             model=model,
             priority=priority,
+            queue_of=private_queues(queue),
         )
     if found.state != "submitting":
         return found
@@ -261,24 +276,26 @@ def _batch(
 
 
 def _serve(
-    prof: WorkerProfile,
+    runs: list[WorkerProfile],
     conn: redis.Redis,
     info: BatchInfo,
     done_before: int,
-    setup: Setup,
+    setups: list[Setup],
     log_level: str,
-) -> tuple[int, int]:
-    """Drain the batch's queue with an in-process burst worker behind a progress bar (its
-    label: generated tok/s so far); the requests and tokens this run generated. A signal
-    stops the worker as `mlxq worker` stops (no new jobs; running ones finish, or go back
-    at a second signal). A stalled engine exits with ``STALLED_EXIT``."""
+) -> tuple[int, int, list[EngineStats]]:
+    """Drain the batch's queues, a model at a time, each with an in-process burst worker,
+    behind a progress bar (its label: generated tok/s so far); the requests and tokens this
+    run generated, and each engine's work. A signal stops the worker as `mlxq worker` stops
+    (no new jobs; running ones finish, or go back at a second signal) and the run with it.
+    A stalled engine exits with ``STALLED_EXIT``."""
     from mlxq.worker.launch import run_worker
     from mlxq.worker.watchdog import EngineStalled
 
-    start, ran, tokens = time.monotonic(), [0], [0]
+    start, ran, tokens, works = time.monotonic(), [0], [0], []
     left = info.total - done_before
     try:
-        click.echo(f"running {left} requests on {prof.model} (batch {info.batch_id})", err=True)
+        names = ", ".join(str(p.model) for p in runs)
+        click.echo(f"running {left} requests on {names} (batch {info.batch_id})", err=True)
         with progress_bar(info.total, "generating") as bar:
             bar.update(done_before)
 
@@ -290,15 +307,26 @@ def _serve(
                     bar.label = f"generating ({rate:.0f} tok/s)"
                 bar.update(1)
 
-            run_worker(
-                prof,
-                conn,
-                burst=True,
-                queues=[info.queue],
-                on_finish=on_finish,
-                log_level=log_level,
-                setup=setup,
-            )
+            for i, (run_prof, setup) in enumerate(zip(runs, setups, strict=True)):
+                if i:  # the previous model was freed when its worker stopped
+                    click.echo(f"\nloading {run_prof.model}", err=True)
+                    setup.start()
+                engine = setup.runner.engine
+                assert engine is not None
+                before = engine.stats()  # the warmup's work is not the run's
+                queue = queue_of(info, str(run_prof.model))
+                run_worker(
+                    run_prof,
+                    conn,
+                    burst=True,
+                    queues=[queue],
+                    on_finish=on_finish,
+                    log_level=log_level,
+                    setup=setup,
+                )
+                works.append(engine.stats().since(before))
+                if _left_on(conn, info.batch_id, queue):
+                    break  # stopped by a signal: the next models wait for the next run
     except EngineStalled as e:
         fail(f"engine stalled: {e}; {RESUME}", code=STALLED_EXIT)
     except KeyboardInterrupt:  # before the worker took over Ctrl-C and SIGTERM
@@ -306,4 +334,12 @@ def _serve(
     finally:  # the worker's handlers only set flags: a signal from now on interrupts
         signal.signal(signal.SIGINT, signal.default_int_handler)
         stop_on_sigterm()
-    return ran[0], tokens[0]
+    return ran[0], tokens[0], works
+
+
+def _left_on(conn: redis.Redis, batch_id: str, queue: str) -> bool:
+    """Whether some of the batch's jobs on ``queue`` still wait or run."""
+    for m in q.batch_status(conn, batch_id).models:
+        if m.queue == queue:
+            return m.counts["queued"] + m.counts["started"] > 0
+    return False
