@@ -131,9 +131,9 @@ def test_bad_input_file_fails_validation_with_line_errors(client, conn):
     ]
     batch = create(client, upload(client, lines))
     assert batch.status == "failed" and batch.failed_at is not None
-    assert [e.line for e in batch.errors.data] == [2, 3, 4, 5]
+    assert [e.line for e in batch.errors.data] == [2, 3, 4]  # (a line may name its model)
     codes = {e.line: e.code for e in batch.errors.data}
-    assert codes[3] == "mismatched_endpoint" and codes[5] == "mismatched_model"
+    assert codes[3] == "mismatched_endpoint"
     assert "body.n" in batch.errors.data[2].message
     assert client.batches.retrieve(batch.id).status == "failed"
     assert waiting(conn, MODEL) == 0

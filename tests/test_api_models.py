@@ -96,6 +96,24 @@ def test_hub_ids_and_their_queue_names_are_served(strict, conn):
     assert waiting(conn, "Foo-4bit") == 3 and waiting(conn, "default") == 3
 
 
+def test_a_batch_mixing_models_is_checked_and_queued_per_model(strict, client, conn):
+    publish_worker(conn, "w1", "org/Served", ["Served"])
+    lines = [
+        chat_line("a", "Hi", model="org/Served"),
+        chat_line("b", "Hi", model=UNSERVED),
+        chat_line("c", "Hi"),
+        chat_line("d", "Hi", model=UNSERVED),
+    ]
+    del lines[2]["body"]["model"]  # (on the batch's model's queue: the first one named)
+    refused = create(strict, upload(strict, lines), CHAT)
+    [error] = refused.errors.data
+    assert (error.code, error.line, error.param) == ("model_not_found", 2, "body.model")
+    assert UNSERVED in error.message and waiting(conn, "Served") == 0
+    queued = create(client, upload(client, lines), CHAT)
+    assert queued.status == "in_progress"
+    assert (waiting(conn, "Served"), waiting(conn, UNSERVED)) == (2, 2)
+
+
 def test_a_live_worker_serves_its_model_by_path_and_by_queue(
     strict, conn, valkey_url, tiny_model, tmp_path
 ):

@@ -99,13 +99,17 @@ def create_batch(
 
 
 def _unserved_errors(conn: redis.Redis, validated: Validated) -> list[BatchError]:
-    """OpenAI's ``model_not_found`` line error when no live worker serves the batch's model
-    (one, on the first line naming it: every line names the same)."""
-    problem = unserved_problem(conn, validated.model)
-    if problem is None:
-        return []
-    param = "body.model" if validated.model is not None else None
-    return [BatchError("model_not_found", problem, param=param, line=validated.model_line)]
+    """OpenAI's ``model_not_found`` line error for each model no live worker serves, on the
+    first line naming it (lines naming none go to the batch's model's queue)."""
+    errors = []
+    for model, line in validated.model_lines.items():
+        if model is None and validated.model is not None:
+            continue  # on the batch's model's queue: checked with its lines
+        problem = unserved_problem(conn, model)
+        if problem is not None:
+            param = "body.model" if model is not None else None
+            errors.append(BatchError("model_not_found", problem, param=param, line=line))
+    return errors
 
 
 def _check_params(endpoint: str, window: str, metadata: dict[str, str] | None) -> None:

@@ -2,8 +2,8 @@
 
 Every line goes through mlxq's own parser (:func:`mlxq.formats.inputs.parse_lines`), so the API
 accepts exactly what ``mlxq submit`` accepts, with the same messages. On top of that, an
-OpenAI line's ``url`` must be the batch's ``endpoint``, and all lines must name the same
-``model`` (it picks the queue). Any bad line fails the whole batch, with one
+OpenAI line's ``url`` must be the batch's ``endpoint``. Each line's ``model`` picks its
+queue (lines may mix models). Any bad line fails the whole batch, with one
 :class:`~mlxq.api.objects.BatchError` per line.
 """
 
@@ -32,12 +32,13 @@ _envelope_decoder = msgspec.json.Decoder(_Envelope)
 
 @dataclass
 class Validated:
-    """The outcome of validation: the requests in file order, their model and the first
-    line that names it (else the first request's), or the errors."""
+    """The outcome of validation: the requests in file order, the first model they name
+    (the batch's: lines naming none go to its queue), each model with the first line naming
+    it (``None``: the lines naming none), or the errors."""
 
     requests: list[Request] = field(default_factory=list)
     model: str | None = None
-    model_line: int = 1
+    model_lines: dict[str | None, int] = field(default_factory=dict)
     errors: list[BatchError] = field(default_factory=list)
 
 
@@ -58,12 +59,12 @@ def validate_input(content: bytes, endpoint: str, *, max_lines: int) -> Validate
         problem = _endpoint_problem(lines[n - 1], endpoint)
         if problem:
             errors.append(BatchError("mismatched_endpoint", problem, param="url", line=n))
-    model, model_line, model_errors = _one_model(parsed.requests, parsed.lines)
-    errors.extend(model_errors)
     if errors:
         errors.sort(key=lambda e: e.line or 0)
         return Validated(errors=_capped(errors))
-    return Validated(requests=parsed.requests, model=model, model_line=model_line)
+    model_lines = _models(parsed.requests, parsed.lines)
+    model = next((m for m in model_lines if m is not None), None)
+    return Validated(requests=parsed.requests, model=model, model_lines=model_lines)
 
 
 def split_lines(content: bytes) -> list[bytes]:
@@ -93,32 +94,17 @@ def _endpoint_problem(raw: bytes, endpoint: str) -> str | None:
     )
 
 
-def _one_model(
-    requests: list[Request], lines: list[int]
-) -> tuple[str | None, int, list[BatchError]]:
-    """The model all lines name (in ``body.model`` or ``metadata.model``), the first line
-    naming it (else the first line), and a ``mismatched_model`` error for each line that
-    names another one."""
-    model: str | None = None
-    first = lines[0] if lines else 1
-    errors = []
+def _models(requests: list[Request], lines: list[int]) -> dict[str | None, int]:
+    """Each model the lines name (in ``body.model``, ``model`` or, as before lines could
+    name one, ``metadata.model``), with the first line naming it; ``None``: lines naming
+    none. A model found in ``metadata`` becomes the request's, so it routes the line."""
+    out: dict[str | None, int] = {}
     for req, n in zip(requests, lines, strict=True):
-        name = req.metadata.get("model")
-        if not isinstance(name, str):
-            continue
-        if model is None:
-            model, first = name, n
-        elif name != model:
-            errors.append(
-                BatchError(
-                    "mismatched_model",
-                    f"body.model: {name!r} differs from {model!r} on line {first}; "
-                    "all requests of a batch must use the same model",
-                    param="body.model",
-                    line=n,
-                )
-            )
-    return model, first, errors
+        named = req.metadata.get("model")
+        if req.model is None and isinstance(named, str) and named:
+            req.model = named
+        out.setdefault(req.model, n)
+    return out
 
 
 def _capped(errors: list[BatchError]) -> list[BatchError]:
