@@ -63,8 +63,8 @@ def main() -> None:
         engine = SlotEngine(model, tokenizer, "m", max_batch=MAX_BATCH, prefill_batch=2)
         done = {k: c.token_ids for k, c in run_all(engine, todo, join_every=2).items()}
         ref = {}
-        if not temperature:
-            ref = {k: reference(model, tokenizer, engine.encode(r), r)["tokens"] for k, r in todo.items()}
+        for key, r in todo.items() if not temperature else ():
+            ref[key] = reference(model, tokenizer, engine.encode(r), r)["tokens"]
         out.write_text(json.dumps({"tokens": done, "reference": ref}))
         return
     from mlxq.engine.distributed.channel import Channel

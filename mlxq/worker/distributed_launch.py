@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
 
 import msgspec
 import redis
@@ -58,12 +58,17 @@ class RankZeroSetup(Setup):
     rank's memory, the engine settings sent to the other ranks, a lockstep engine."""
 
     def __init__(
-        self, profile: WorkerProfile, conn: redis.Redis, channel: Channel, start: Start
+        self,
+        profile: WorkerProfile,
+        conn: redis.Redis,
+        channel: Channel,
+        start: Start,
+        path: Path,
     ) -> None:
         super().__init__(profile, conn)
-        self.channel, self.started = channel, start
+        self.channel, self.started, self.path = channel, start, path
 
-    def _engine(self, facts: DeviceFacts) -> BatchEngine:
+    def _engine(self, facts: DeviceFacts, model: str | None = None) -> BatchEngine:
         name, group = self.profile.model or "", self.channel.group
         loaded, tokenizer = load_sharded(name, self.path, self.profile.adapter_path, group)
         facts = msgspec.structs.replace(facts, memory_bytes=self.started.memory_bytes)
@@ -95,6 +100,8 @@ def serve(
         from mlxq.worker.distributed_ranks import launch
 
         return launch(profile)
+    if len(profile.models) > 1:
+        raise StartupError("--hosts serves one model: pass one --model")
     path = resolve_model(profile.model or "")
     conn = connect() if os.environ["MLX_RANK"] == "0" else None  # (only rank 0 uses Redis)
     channel = Channel(join(profile.backend))
@@ -102,13 +109,13 @@ def serve(
     if channel.rank != 0:
         return _follow(profile, channel, path)
     assert conn is not None
-    setup = RankZeroSetup(profile, conn, channel, start)
+    setup = RankZeroSetup(profile, conn, channel, start, path)
     setup.start()
     run_worker(profile, conn, burst=burst, log_level=log_level, setup=setup)
     return 0
 
 
-def _follow(profile: WorkerProfile, channel: Channel, path: Any) -> int:
+def _follow(profile: WorkerProfile, channel: Channel, path: Path) -> int:
     """A rank other than 0: load its share, build the engine rank 0 describes, follow."""
     name = profile.model or ""
     loaded, tokenizer = load_sharded(name, path, profile.adapter_path, channel.group)

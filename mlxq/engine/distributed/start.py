@@ -15,7 +15,8 @@ import json
 import os
 import random
 import socket
-import threading
+import subprocess
+import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -26,7 +27,9 @@ from mlxq.engine.distributed.channel import Channel
 from mlxq.engine.hardware import device_facts
 from mlxq.errors import StartupError, one_line
 
-JOIN_TIMEOUT_S = 120.0  # how long a rank waits for the others to start and connect
+# How long a rank waits for the others to start and connect (MLXQ_JOIN_TIMEOUT overrides).
+JOIN_TIMEOUT_S = 120.0
+JOIN_TIMEOUT_ENV = "MLXQ_JOIN_TIMEOUT"
 BACKENDS = ("ring", "jaccl")
 
 
@@ -80,34 +83,40 @@ def peers() -> str:
     return ", ".join(f"rank {r} at {','.join(h)}" for r, h in enumerate(hosts) if str(r) != rank)
 
 
-def join(backend: str, timeout: float = JOIN_TIMEOUT_S) -> mx.distributed.Group:
-    """``mx.distributed.init`` of ``backend``, or a :class:`StartupError` naming the ranks
-    that did not connect within ``timeout`` seconds."""
-    box: dict[str, object] = {}
-
-    def init() -> None:
-        try:
-            box["group"] = mx.distributed.init(strict=True, backend=backend)
-        except Exception as e:  # reported below
-            box["error"] = e
-
-    thread = threading.Thread(target=init, name="mlxq-join", daemon=True)
-    thread.start()
-    thread.join(timeout)
+def join(backend: str, timeout: float | None = None) -> mx.distributed.Group:
+    """``mx.distributed.init`` of ``backend``. If the other ranks do not connect within
+    ``timeout`` seconds, a watcher process prints one line naming them and ends this one
+    (MLX's init holds the GIL while it waits: no thread of this process could)."""
+    if timeout is None:
+        timeout = float(os.environ.get(JOIN_TIMEOUT_ENV) or JOIN_TIMEOUT_S)
     rank = os.environ.get("MLX_RANK", "?")
-    if thread.is_alive():
+    line = (
+        f"mlxq: error: rank {rank}: {peers()} did not connect within {timeout:g}s: start "
+        "every rank (or check the hosts, their firewall and MLX_HOSTFILE)"
+    )
+    watch = subprocess.Popen(
+        [sys.executable, "-c", _WATCH, str(timeout), line, str(os.getpid())],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        return mx.distributed.init(strict=True, backend=backend)
+    except Exception as e:
         raise StartupError(
-            f"rank {rank}: {peers()} did not connect within {timeout:g}s: start every rank "
-            "(or check the hosts, their firewall and MLX_HOSTFILE)"
-        )
-    if "error" in box:
-        raise StartupError(
-            f"rank {rank}: cannot join the {backend} group ({one_line(box['error'])}): "
-            "set MLX_RANK and MLX_HOSTFILE, or start the ranks with `mlxq worker --hosts`"
-        )
-    group = box["group"]
-    assert isinstance(group, mx.distributed.Group)
-    return group
+            f"rank {rank}: cannot join the {backend} group ({one_line(e)}): set MLX_RANK "
+            "and MLX_HOSTFILE, or start the ranks with `mlxq worker --hosts`"
+        ) from e
+    finally:
+        assert watch.stdin is not None
+        watch.stdin.close()  # (the watcher exits quietly)
+        watch.wait()
+
+
+# The watcher: argv is the timeout, the line, the pid; a closed stdin means "joined".
+_WATCH = """import os, select, signal, sys
+if not select.select([sys.stdin], [], [], float(sys.argv[1]))[0]:
+    sys.stderr.write(sys.argv[2] + "\\n")
+    os.kill(int(sys.argv[3]), signal.SIGTERM)
+"""
 
 
 def greet(channel: Channel, model: str, path: Path) -> Start:
