@@ -10,7 +10,6 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 from helpers import free_port, wait_for_port
-from rq import Worker
 from rq.job import Job
 
 from mlxq.broker import batches as q
@@ -125,9 +124,8 @@ def test_oldest_job_is_found_behind_jobs_put_back_at_the_front(conn):
     second = q.submit(conn, [Request(prompt="new")], queue="qq")
     (old_id,) = q.batch_job_ids(conn, first.batch_id)
     (new_id,) = q.batch_job_ids(conn, second.batch_id)
-    key = "rq:queue:qq"
-    conn.lrem(key, 1, new_id)
-    conn.lpush(key, new_id)  # as a stopping worker puts a job back
+    conn.lrem(keys.lane("qq", second.batch_id), 1, new_id)
+    conn.lpush("rq:queue:qq", new_id)  # as a stopping worker puts a job back
     (qi,) = fleet.queue_overview(conn)
     old = Job.fetch(old_id, connection=conn, serializer=serializer)
     assert qi.oldest_enqueued_at == pytest.approx(old.enqueued_at.timestamp(), abs=1e-3)
@@ -144,10 +142,13 @@ def test_jobs_deleted_while_queued_are_skipped(conn):
 
 
 def test_started_jobs_are_counted_from_rqs_registry(conn):
+    from mlxq.broker.intake import dequeue_many, register
+    from mlxq.worker.rq_worker import MlxqWorker
+
     q.submit(conn, [Request(prompt="x"), Request(prompt="y")], queue="qq")
-    rq_worker = Worker([q.make_queue(conn, "qq")], connection=conn, serializer=serializer)
-    job, _queue = rq_worker.dequeue_job_and_maintain_ttl(timeout=None)
-    rq_worker.prepare_execution(job)
+    worker = MlxqWorker(["qq"], connection=conn, runner=None, model_name="m")  # type: ignore[arg-type]
+    worker.register_birth()
+    register(worker, dequeue_many(worker, 1))
     (qi,) = fleet.queue_overview(conn)
     assert (qi.queued, qi.started) == (1, 1)
 
