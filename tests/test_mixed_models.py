@@ -96,6 +96,20 @@ def test_lines_for_a_model_nobody_serves_are_named_or_refused(conn, valkey_url, 
     assert conn.zcard(keys.batches()) == 0 and waiting(conn, "Alpha") == 0
 
 
+def test_the_dashboard_rows_a_mixed_batch_with_each_models_counts(conn):
+    from mlxq.api.dashboard_state import batch_row
+
+    reqs = [Request(prompt=f"p{i}", model="Beta" if i % 2 else None) for i in range(3)]
+    info = q.submit(conn, reqs, queue="alpha", model="org/alpha")
+    row = batch_row(info, q.batch_status(conn, info.batch_id), time.time(), None, None)
+    assert [(m.queue, m.models, m.total, m.counts["queued"]) for m in row.models] == [
+        ("alpha", ["org/alpha"], 2, 2),
+        ("Beta", ["Beta"], 1, 1),
+    ]
+    plain = q.submit(conn, reqs[:1], queue="alpha")  # one model: no rows per model
+    assert batch_row(plain, q.batch_status(conn, plain.batch_id), 0, None, None).models == []
+
+
 def test_a_sweep_of_one_queue_leaves_the_batchs_jobs_on_its_other_queues(conn):
     reqs = [Request(prompt=f"p{i}", model="Beta" if i % 2 else None) for i in range(4)]
     batch = q.submit(conn, reqs, queue="alpha").batch_id

@@ -26,7 +26,7 @@ from mlxq.api.dashboard_history import Throughput, TokenHistory
 from mlxq.broker import batches as q
 from mlxq.broker import fleet, keys
 from mlxq.broker.failures import FailureSummary, failure_reasons
-from mlxq.wire import BatchInfo, BatchStatus, QueueInfo, WorkerInfo
+from mlxq.wire import BatchInfo, BatchStatus, ModelProgress, QueueInfo, WorkerInfo
 
 MAX_BATCHES = 50  # the most recent batches shown
 RATE_WINDOW_S = 120.0  # how far back the ETA's rate looks
@@ -56,6 +56,7 @@ class BatchRow(msgspec.Struct):
     age_s: float
     flags: list[str] = []  # what is wrong with it, in words (health.batch_flags)
     failures: FailureSummary | None = None  # why its failed jobs failed
+    models: list[ModelProgress] = []  # each model's counts, for a batch that mixes models
 
 
 class WorkerRow(msgspec.Struct):
@@ -280,6 +281,7 @@ def batch_row(
         tokens_per_s=tps,
         eta_s=eta,
         age_s=max(0.0, now - info.created_at),
+        models=s.models if len(s.models) > 1 else [],
     )
 
 
