@@ -129,3 +129,13 @@ def test_config_json_is_the_preset(tiny_model_dir: Path) -> None:
     config = json.loads((tiny_model_dir / "config.json").read_text())
     assert config == mm.preset_config("tiny")
     assert config["eos_token_id"] == mm.EOS_IDS
+
+
+def test_make_model_help_names_every_preset() -> None:
+    import click
+
+    from mlxq.cli.make_model import make_model_cmd
+
+    wide = click.Context(make_model_cmd, terminal_width=1000, max_content_width=1000)
+    shown = make_model_cmd.get_help(wide)
+    assert [p for p in mm.PRESETS if p not in shown] == []

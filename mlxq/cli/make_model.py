@@ -17,7 +17,8 @@ from mlxq.wire import json_encoder
     default="tiny",
     show_default=True,
     help="Model shape: tiny (and tiny-qwen2, tiny-qwen3, tiny-mistral, tiny-phi3, "
-    "tiny-gemma3), cpu-small, smollm2-135m, llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b.",
+    "tiny-gemma3, tiny-wide-heads), cpu-small, smollm2-135m, llama-3.2-1b, llama-3.1-8b, "
+    "qwen2.5-0.5b; tiny-tp and cpu-small-tp split evenly over 2 or 3 hosts (--hosts).",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the path and shape as JSON.")
