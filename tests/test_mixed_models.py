@@ -222,3 +222,42 @@ def test_mlxq_run_serves_a_files_models_one_after_another(tmp_path, tiny_model, 
     assert [r["model"] for r in results] == models
     loads = [line.split("loading ")[-1] for line in done.stderr.splitlines() if "loading" in line]
     assert loads == [other_model, tiny_model], done.stderr  # in order of first appearance
+
+
+def test_run_loads_the_command_lines_spelling_of_a_model_lines_name_otherwise(tmp_path):
+    """Lines naming `tiny` run on `--model models/tiny` (one model, one queue name); a
+    model only lines name that cannot be found fails naming those lines and the way out."""
+    from mlxq.cli.run_models import models_to_serve, named_by
+
+    reqs = [Request(prompt="a", model="tiny"), Request(prompt="b"), Request(prompt="c", model="x")]
+    assert models_to_serve(reqs, "/m/tiny") == ["/m/tiny", "x"]
+    assert named_by(reqs, "x") == "1 request names model 'x' (the first: request 3)"
+    assert named_by(reqs, "tiny").startswith("1 request names model 'tiny'")
+
+
+@pytest.mark.slow
+def test_run_refuses_a_placeholder_model_in_one_line_and_ignores_it_when_told(tmp_path, tiny_model):
+    """An OpenAI file written for another service (body.model: gpt-4o-mini) through `mlxq
+    run --model M`: refused before anything runs, naming the lines and the flag; with
+    --ignore-line-models every line runs on M."""
+    lines = [
+        {"custom_id": f"o{i}", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "gpt-4o-mini", "prompt": f"P{i}", "max_tokens": 3}}
+        for i in range(3)
+    ]  # fmt: skip
+    src = write_lines(tmp_path / "openai.jsonl", lines)
+    env = {k: v for k, v in os.environ.items() if k != "MLXQ_REDIS_URL"}
+    env["HF_HUB_OFFLINE"] = "1"
+    out = tmp_path / "out.jsonl"
+    args = ["run", str(src), "--model", tiny_model, "-o", str(out), "--data-dir", str(tmp_path)]
+    refused = run_mlxq(*args, env=env)
+    assert refused.returncode != 0 and not out.exists()
+    (line,) = [x for x in refused.stderr.splitlines() if x.strip()]
+    assert "3 requests name model 'gpt-4o-mini' (the first: request 1)" in line, line
+    assert "pass --ignore-line-models" in line
+    done = run_mlxq(*args, "--ignore-line-models", env=env)
+    assert done.returncode == 0, done.stderr
+    results = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(r["custom_id"], r["model"]) for r in results] == [
+        (f"o{i}", tiny_model) for i in range(3)
+    ]

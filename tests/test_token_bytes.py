@@ -142,7 +142,8 @@ def test_mlxq_results_format_openai_names_tokens(valkey_url, conn, tmp_path, tin
         chat_line("two", "Bonjour", max_tokens=12, logprobs=True, top_logprobs=2, n=2, seed=1),
     ]
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    submitted = run_mlxq("submit", str(src), "--queue", "lp", "--json", url=valkey_url)
+    args = ("submit", str(src), "--queue", "lp", "--json", "--ignore-line-models")
+    submitted = run_mlxq(*args, url=valkey_url)
     batch = json.loads(submitted.stdout)["batch_id"]
     worker = run_mlxq("worker", "--model", tiny_model, "-q", "lp", "--burst", url=valkey_url)
     assert worker.returncode == 0, worker.stderr

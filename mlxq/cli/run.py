@@ -26,6 +26,7 @@ from mlxq.cli.results import (
 from mlxq.cli.run_models import (
     first_named,
     models_to_serve,
+    named_by,
     private_queues,
     queue_of,
     summed,
@@ -178,7 +179,6 @@ def _run(
     priority: str,
 ) -> None:
     """Submit (or resume) the batch, serve it, and write its results."""
-    from mlxq.worker.launch import Setup
 
     conn = connect(place.url, writes_jobs=True)
     model = prof.model or ""
@@ -198,7 +198,7 @@ def _run(
     # cannot load leaves nothing.
     models = models_to_serve(requests, model)
     runs = [msgspec.structs.replace(prof, model=m, models=[]) for m in models]
-    setups = [Setup(run_prof, conn) for run_prof in runs]
+    setups = [_setup(run_prof, conn, requests, model) for run_prof in runs]
     click.echo(f"loading {runs[0].model}", err=True)
     setups[0].start()
     info = _batch(conn, found, requests, file, model, priority)
@@ -237,6 +237,23 @@ def _run(
     place.complete = True
     _echo_summary(summary, as_json)  # for scripts, after the results are safely written
     fail_on_failures(conn, s, errors_at(output, out_fmt))
+
+
+def _setup(prof: WorkerProfile, conn: redis.Redis, requests: list[Request], default: str):
+    """A model's Setup (found and checked, not loaded); a model only lines name that cannot
+    be found fails naming those lines and the way to run them on ``--model``."""
+    from mlxq.errors import StartupError
+    from mlxq.worker.launch import Setup
+
+    try:
+        return Setup(prof, conn)
+    except StartupError as e:
+        if prof.model == default:
+            raise
+        raise StartupError(
+            f"{e}; {named_by(requests, prof.model or '')}: to run every line on --model "
+            "instead, pass --ignore-line-models"
+        ) from e
 
 
 def _echo_summary(summary: dict[str, Any], as_json: bool) -> None:
@@ -289,7 +306,7 @@ def _serve(
     (no new jobs; running ones finish, or go back at a second signal) and the run with it.
     A stalled engine exits with ``STALLED_EXIT``."""
     from mlxq.worker.launch import run_worker
-    from mlxq.worker.watchdog import EngineStalled
+    from mlxq.worker.watchdog import EngineDied, EngineStalled
 
     start, ran, tokens, works = time.monotonic(), [0], [0], []
     left = info.total - done_before
@@ -329,6 +346,8 @@ def _serve(
                     break  # stopped by a signal: the next models wait for the next run
     except EngineStalled as e:
         fail(f"engine stalled: {e}; {RESUME}", code=STALLED_EXIT)
+    except EngineDied as e:
+        fail(f"{e}; {RESUME}")
     except KeyboardInterrupt:  # before the worker took over Ctrl-C and SIGTERM
         click.echo("", err=True)
     finally:  # the worker's handlers only set flags: a signal from now on interrupts

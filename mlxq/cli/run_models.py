@@ -24,13 +24,24 @@ def first_named(requests: Sequence[Request]) -> str | None:
 
 def models_to_serve(requests: Sequence[Request], default: str) -> list[str]:
     """The models the lines need, ``default`` for lines naming none, in order of first
-    appearance."""
+    appearance. A line naming ``default``'s model by another spelling (``tiny`` for
+    ``--model models/tiny``) is ``default``'s: the spelling given on the command line is
+    the one that loads."""
     out: list[str] = []
     for req in requests:
-        name = req.model or default
+        named = req.model
+        name = default if not named or routing.same_model(named, default) else named
         if not any(routing.same_model(name, seen) for seen in out):
             out.append(name)
     return out
+
+
+def named_by(requests: Sequence[Request], model: str) -> str:
+    """Which lines name ``model``: how many, and the first (1-based, in request order)."""
+    at = [i for i, req in enumerate(requests) if routing.same_model(req.model, model)]
+    first = f" (the first: request {at[0] + 1})" if at else ""
+    many = f"{len(at)} requests name" if len(at) != 1 else "1 request names"
+    return f"{many} model {model!r}{first}"
 
 
 def private_queues(queue: str) -> Callable[[str], str]:

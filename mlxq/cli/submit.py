@@ -196,7 +196,8 @@ def _check_served(conn: redis.Redis, plan: list, require: bool) -> None:
     if named:
         click.echo(
             f"warning: no live worker serves {routing.describe(named)}; they wait until "
-            "one starts (`mlxq worker --model MODEL`; --require-workers refuses instead)",
+            "one starts (`mlxq worker --model MODEL`; --require-workers refuses instead; "
+            "--ignore-line-models runs every line on the batch's queue)",
             err=True,
         )
 

@@ -98,6 +98,12 @@ def input_options(f: Callable) -> Callable:
         click.option(
             "--chat", is_flag=True, help="Table rows become chat requests (user message)."
         ),
+        click.option(
+            "--ignore-line-models",
+            is_flag=True,
+            help="Run every line on --model (or the queue's workers), whatever model it "
+            "names: for OpenAI files written for another service (body.model: gpt-4o-mini).",
+        ),
         *_DEFAULT_OPTIONS,
     ]
 
@@ -119,6 +125,7 @@ def input_options(f: Callable) -> Callable:
             id_column=kwargs.pop("id_column"),
             chat=kwargs.pop("chat"),
             defaults=defaults,
+            ignore_line_models=kwargs.pop("ignore_line_models"),
         )
         return f(*args, **kwargs)
 

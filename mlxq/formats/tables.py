@@ -63,6 +63,9 @@ class InputOptions:
     id_column: str | None = None
     chat: bool = False
     defaults: RequestDefaults = field(default_factory=RequestDefaults)
+    # Every line runs on the batch's model whatever model it names: OpenAI files written
+    # for another service name models (gpt-4o-mini) that no mlxq worker serves.
+    ignore_line_models: bool = False
 
     def is_table(self, path: str) -> bool:
         """Whether ``path`` is read as a table (CSV/Parquet, or JSONL with a template)."""
@@ -76,9 +79,13 @@ def read_input(path: str, options: InputOptions, *, skip_invalid: bool = False) 
             raise InputFileError(
                 path, [], "--id-column applies to tables (CSV, Parquet, or JSONL with --template)"
             )
-        return read_requests(path, skip_invalid=skip_invalid, defaults=options.defaults)
-    columns, rows = _open_table(path)
-    return _table_requests(path, columns, rows, options, skip_invalid)
+        parsed = read_requests(path, skip_invalid=skip_invalid, defaults=options.defaults)
+    else:
+        columns, rows = _open_table(path)
+        parsed = _table_requests(path, columns, rows, options, skip_invalid)
+    if options.ignore_line_models:
+        parsed.requests = [msgspec.structs.replace(r, model=None) for r in parsed.requests]
+    return parsed
 
 
 def error_place(path: str, options: InputOptions | None, line: int) -> str:
