@@ -173,6 +173,8 @@ def test_a_killed_rank_puts_the_jobs_back(tp_model: str, conn: redis.Redis, valk
     # (then the stall watchdog ends it): non-zero within the stall timeout, either way.
     assert code in (1, STALLED_EXIT), err
     assert time.monotonic() - started < STALL_S + 30, err
+    # The MLX thread's error is logged with its traceback; the command ends in one line.
+    assert err.count("Traceback") == err.count("MLX thread stopped on an unexpected error"), err
     status = q.batch_status(conn, batch)
     assert status.started == 0 and status.queued + status.finished == n, (status, err)
     done = run_mlxq(

@@ -186,7 +186,7 @@ def worker(
 ) -> None:
     """Load a model once and serve generation jobs from Redis queues, continuously batched."""
     from mlxq.worker.launch import run_worker
-    from mlxq.worker.watchdog import EngineStalled
+    from mlxq.worker.watchdog import EngineDied, EngineStalled
 
     setup_logging(log_level, log_format)
     prof = worker_profile(profile, queues=list(queues), **settings)
@@ -199,3 +199,5 @@ def worker(
         run_worker(prof, connect(redis_url, writes_jobs=True), burst=burst, log_level=log_level)
     except EngineStalled as e:
         fail(f"engine stalled: {e}", code=STALLED_EXIT)
+    except EngineDied as e:
+        fail(f"{e}; its jobs were put back on their queues: restart the worker")

@@ -36,7 +36,7 @@ from mlxq.worker.profile import DEFAULTS, STALL_TIMEOUT_S
 from mlxq.worker.reporting import Reporter
 from mlxq.worker.stopping import release, release_all
 from mlxq.worker.taking import IDLE_PULL_TIMEOUT_S, JobIntake
-from mlxq.worker.watchdog import EngineStalled
+from mlxq.worker.watchdog import EngineDied, EngineStalled
 from mlxq.worker.writeback import MAX_RESULT_BYTES, Failure, ResultLimit, Writeback, result_limit
 
 if TYPE_CHECKING:
@@ -193,7 +193,7 @@ class MlxqWorker(JobIntake, BaseWorker):
         if self.inflight:
             self._finish(self.runner.completions(timeout=BUSY_WAIT_S))
         if not self.runner.alive:
-            raise RuntimeError("the MLX thread died; see the log above")
+            raise EngineDied("the MLX thread stopped on an error (logged above)")
         watchdog.check_stall(self.runner, self.inflight, self.stall_timeout)
         return False
 

@@ -23,6 +23,11 @@ class EngineStalled(RuntimeError):
     """The MLX thread completed no step for ``stall_timeout`` seconds with jobs in flight."""
 
 
+class EngineDied(RuntimeError):
+    """The MLX thread stopped on an error (logged where it happened); the worker put its
+    jobs back and exits non-zero."""
+
+
 def beat(worker: BaseWorker, inflight: dict[str, InFlight], runner: Runner, ttl: int) -> None:
     """Refresh the worker's and every in-flight execution's heartbeat (``ttl`` seconds) in
     one round trip; jobs found handed to another worker meanwhile are dropped here."""

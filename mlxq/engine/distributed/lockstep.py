@@ -85,6 +85,7 @@ class LockstepEngine:
         self.steps = 0
         self._calls: list[Call] = []
         self._sent_at = time.monotonic()
+        self._lost = False  # a send failed: another rank is gone
 
     @property
     def prefill_batch(self) -> int:
@@ -149,18 +150,24 @@ class LockstepEngine:
             self._send(None)
 
     def close(self) -> None:
-        """Close every rank's engine (the other ranks then exit); a lost rank is logged."""
-        try:
-            self._send(Close())
-        except RuntimeError as e:
-            log.warning("could not tell the other ranks to close: %s", e)
+        """Close every rank's engine (the other ranks then exit); a lost rank is logged.
+        After a failed send nothing more is sent: a collective with a lost peer can hang."""
+        if not self._lost:
+            try:
+                self._send(Close())
+            except RuntimeError as e:
+                log.warning("could not tell the other ranks to close: %s", e)
         self.inner.close()
 
     def _send(self, last: Call | None) -> None:
         calls, self._calls = self._calls, []
         if last is not None:
             calls.append(last)
-        self.channel.broadcast(_ENCODER.encode(calls))
+        try:
+            self.channel.broadcast(_ENCODER.encode(calls))
+        except RuntimeError:
+            self._lost = True
+            raise
         self._sent_at = time.monotonic()
 
 
