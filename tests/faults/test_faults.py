@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from mlxq.broker import batches as q
-from mlxq.broker.rq_store import rq_keys
+from mlxq.broker.rq_store import pull, rq_keys
 from mlxq.server import make_server
 from mlxq.wire import Request
 
@@ -122,8 +122,8 @@ def test_jobs_dequeued_by_a_worker_that_died_before_registering_them_still_run(
     between (or cut off from Redis) leaves them there, still ``queued``."""
     batch = submit(conn, 6, max_tokens=20)
     queue = q.make_queue(conn, "faults")
-    for _ in range(2):
-        conn.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT")
+    for _ in range(2):  # as a worker pulls: from the batch's lane into the intermediate list
+        assert pull.move_first(conn, [queue]) is not None
     b = start_worker(valkey_url, tiny_model, "--abandon-after", "3", name="sweeper")
     try:
         wait_until(lambda: q.batch_status(conn, batch).done == 6, 120, "the batch to finish")
