@@ -5,12 +5,14 @@ cannot start fails in one line naming its host."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -147,21 +149,14 @@ def test_a_worker_over_two_ranks_gives_the_one_process_tokens(
 
 
 @pytest.mark.slow
-def test_a_killed_rank_puts_the_jobs_back(tp_model: str, conn: redis.Redis, valkey_url: str):
+def test_a_killed_rank_puts_the_jobs_back(
+    tp_model: str, conn: redis.Redis, valkey_url: str, tp_worker: subprocess.Popen
+):
     n = 16
     batch = submit(conn, n, 1500)  # (long enough to be running when the rank dies; if
     # some finish first, they must keep their one result all the same)
-    args = ["worker", "--model", tp_model, "--max-batch", "4", "-q", "default"]
-    args += ["--stall-timeout", str(STALL_S), "--hosts", "127.0.0.1,127.0.0.1"]
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "mlxq", *args],
-        cwd=ROOT,
-        env={**os.environ, "MLXQ_REDIS_URL": valkey_url},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    follower = _follower(worker.pid)
+    worker = tp_worker  # (started before the jobs, as users run it)
+    follower = _rank(worker.pid, 1)
     while q.batch_status(conn, batch).started == 0:  # (jobs in the batch)
         assert worker.poll() is None, worker.stderr.read() if worker.stderr else ""
         time.sleep(0.05)
@@ -184,8 +179,71 @@ def test_a_killed_rank_puts_the_jobs_back(tp_model: str, conn: redis.Redis, valk
     once_each(conn, batch, n)  # (none lost, none run twice)
 
 
-def _follower(launcher: int, timeout: float = 60) -> int:
-    """The pid of rank 1 among the launcher's children (its environment says MLX_RANK=1)."""
+@pytest.mark.slow
+def test_a_hung_rank_0_makes_the_other_ranks_exit(
+    tp_model: str, conn: redis.Redis, valkey_url: str, tp_worker: subprocess.Popen
+):
+    """Rank 0 stopped (SIGSTOP: hung, as a frozen host) fails no collective on rank 1:
+    rank 1 gives up after rank 0's stall timeout and two pings and exits non-zero; rank 0,
+    let go, finds its peer gone, puts its jobs back and exits; none is lost or run twice."""
+    n = 8
+    batch = submit(conn, n, 1500)
+    worker = tp_worker  # (started before the jobs, as users run it)
+    leader, follower = _rank(worker.pid, 0), _rank(worker.pid, 1)
+    while q.batch_status(conn, batch).started == 0:
+        assert worker.poll() is None, worker.stderr.read() if worker.stderr else ""
+        time.sleep(0.05)
+    os.kill(leader, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        while _alive(follower):
+            assert time.monotonic() - stopped < STALL_S + 30, "rank 1 waited on forever"
+            time.sleep(0.2)
+        assert time.monotonic() - stopped > STALL_S  # (not before rank 0's own patience)
+    finally:
+        os.kill(leader, signal.SIGCONT)
+    code = worker.wait(120)
+    err = worker.stderr.read() if worker.stderr else ""
+    assert code in (1, STALLED_EXIT), err
+    assert "no word from rank 0" in err, err
+    done = run_mlxq(
+        "worker", "--model", tp_model, "--burst", "-q", "default", url=valkey_url, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    once_each(conn, batch, n)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie whose stopped parent has not reaped it: no)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def tp_worker(tp_model: str, valkey_url: str) -> Iterator[subprocess.Popen]:
+    """A long-lived `mlxq worker --hosts` of two ranks on this machine (stderr piped); its
+    whole process group is killed at the end, whatever the test left running."""
+    args = ["worker", "--model", tp_model, "--max-batch", "4", "-q", "default"]
+    args += ["--stall-timeout", str(STALL_S), "--hosts", "127.0.0.1,127.0.0.1"]
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "mlxq", *args],
+        cwd=ROOT,
+        env={**os.environ, "MLXQ_REDIS_URL": valkey_url},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    yield worker
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(worker.pid, signal.SIGKILL)
+    worker.wait(30)
+
+
+def _rank(launcher: int, rank: int, timeout: float = 60) -> int:
+    """The pid of ``rank`` among the launcher's children (its environment says MLX_RANK)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for pid in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
@@ -193,7 +251,7 @@ def _follower(launcher: int, timeout: float = 60) -> int:
                 env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"MLX_RANK=1" in env:
+            if f"MLX_RANK={rank}".encode() in env:
                 return int(pid)
         time.sleep(0.05)
-    raise AssertionError("no rank 1 was started")
+    raise AssertionError(f"no rank {rank} was started")

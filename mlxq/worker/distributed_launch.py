@@ -23,17 +23,18 @@ import msgspec
 import redis
 
 from mlxq.engine.distributed.channel import Channel
-from mlxq.engine.distributed.lockstep import LockstepEngine, follow
+from mlxq.engine.distributed.lockstep import PING_S, LockstepEngine, follow
+from mlxq.engine.distributed.silence import Silence
 from mlxq.engine.distributed.start import Start, greet, join
 from mlxq.engine.distributed.tensor import load_sharded, rank_info
-from mlxq.engine.hardware import DeviceFacts
+from mlxq.engine.hardware import DeviceFacts, device_facts
 from mlxq.engine.models.facts import model_info
 from mlxq.engine.models.source import resolve_model
 from mlxq.engine.protocol import BatchEngine
 from mlxq.errors import StartupError, one_line
 from mlxq.worker.config import resolve
 from mlxq.worker.launch import Setup, engine_for, run_worker
-from mlxq.worker.profile import WorkerProfile
+from mlxq.worker.profile import STALL_TIMEOUT_S, WorkerProfile
 
 log = logging.getLogger("mlxq.worker.distributed")
 
@@ -115,6 +116,23 @@ def serve(
     return 0
 
 
+def _patience(profile: WorkerProfile) -> float:
+    """How long a rank waits for rank 0's next message before it gives up on it: rank 0's
+    own stall timeout (a stalled rank 0 has exited by then) and two of its idle pings."""
+    backend = device_facts().backend
+    stall = profile.stall_timeout or STALL_TIMEOUT_S.get(backend, STALL_TIMEOUT_S["cpu"])
+    return stall + 2 * PING_S
+
+
+def _silence(profile: WorkerProfile, rank: int) -> Silence:
+    """The watchdog of this rank's waits for rank 0 (:func:`_patience` each)."""
+    return Silence(
+        _patience(profile),
+        f"mlxq: error: rank {rank}: no word from rank 0 for {{s}} s (its --stall-timeout and "
+        "two pings): it hung or its host is gone; this rank exits (restart the worker)",
+    )
+
+
 def _follow(profile: WorkerProfile, channel: Channel, path: Path) -> int:
     """A rank other than 0: load its share, build the engine rank 0 describes, follow."""
     name = profile.model or ""
@@ -123,7 +141,11 @@ def _follow(profile: WorkerProfile, channel: Channel, path: Path) -> int:
         options = msgspec.msgpack.decode(channel.broadcast(), type=EngineOptions)
         engine = engine_for(loaded, tokenizer, options)  # type: ignore[arg-type]
         log.info("rank %d of %d: following rank 0", channel.rank, channel.size)
-        steps = follow(engine, channel)
+        silence = _silence(profile, channel.rank)
+        try:
+            steps = follow(engine, channel, silence.tick)
+        finally:
+            silence.close()
     except RuntimeError as e:  # (MLX's ring: "connection to a peer was lost")
         raise StartupError(f"rank {channel.rank} lost the other ranks: {one_line(e)}") from e
     log.info("rank %d: rank 0 closed the engine after %d steps", channel.rank, steps)

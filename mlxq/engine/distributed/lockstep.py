@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -171,15 +172,24 @@ class LockstepEngine:
         self._sent_at = time.monotonic()
 
 
-def follow(engine: BatchEngine, channel: Channel) -> int:
+def follow(
+    engine: BatchEngine,
+    channel: Channel,
+    tick: Callable[[], None] | None = None,
+) -> int:
     """Apply rank 0's calls to this rank's engine until rank 0 closes it; the steps run.
 
     Outputs are dropped (rank 0 has the same). A call that raises here raised on rank 0
     too (the same state): it is logged and the next one applied. Raises ``RuntimeError``
-    when rank 0 (or another rank) is gone.
+    when rank 0 (or another rank) is gone. A rank 0 that hangs fails no collective (in
+    the wait for its next message, or inside a step's): ``tick()`` is called before each
+    wait, for a watchdog of the time between them
+    (:class:`~mlxq.engine.distributed.silence.Silence`).
     """
     steps = 0
     while True:
+        if tick is not None:
+            tick()
         for call in _DECODER.decode(channel.broadcast()):
             if isinstance(call, Close):
                 engine.close()
