@@ -147,6 +147,32 @@ def test_a_resumed_submit_routes_the_rest_as_the_first_part(conn, monkeypatch):
     assert (waiting(conn, "A"), waiting(conn, "B"), waiting(conn, "base")) == (3, 2, 2)
 
 
+def test_require_workers_holds_on_resume_too(conn, valkey_url, tmp_path, monkeypatch):
+    """`--resume BATCH --require-workers` checks the queues the first part planned: refused
+    (nothing more enqueued) while no worker serves them; without the flag, a warning."""
+    from mlxq.broker import submission
+
+    def die(_ids: list[str]) -> None:
+        raise RuntimeError("cut")
+
+    lines = [{"custom_id": f"c{i}", "prompt": f"p{i}", "model": "Alpha"} for i in range(6)]
+    src = write_lines(tmp_path / "alpha.jsonl", lines)
+    monkeypatch.setattr(submission, "CHUNK", 4)
+    reqs = [Request(prompt=f"p{i}", custom_id=f"c{i}", model="Alpha") for i in range(6)]
+    with pytest.raises(RuntimeError):
+        q.submit(conn, reqs, queue="default", on_jobs=die, source=str(src))
+    (batch_id,) = [b.decode() for b in conn.zrange(keys.batches(), 0, -1)]
+    args = ("submit", str(src), "--resume", batch_id)
+    refused = run_mlxq(*args, "--require-workers", url=valkey_url)
+    assert refused.returncode != 0
+    assert "no live worker serves 6 lines for model 'Alpha'" in refused.stderr, refused.stderr
+    assert waiting(conn, "Alpha") == 4
+    warned = run_mlxq(*args, url=valkey_url)
+    assert warned.returncode == 0, warned.stderr
+    assert "warning: no live worker serves 6 lines for model 'Alpha'" in warned.stderr
+    assert waiting(conn, "Alpha") == 6
+
+
 # -- real workers ------------------------------------------------------------------------
 
 

@@ -22,7 +22,7 @@ from mlxq.cli.results import (
 from mlxq.cli.support import connect, fail, priority_option, progress_bar, redis_option
 from mlxq.cli.tables import input_options
 from mlxq.formats.tables import InputOptions
-from mlxq.wire import json_encoder
+from mlxq.wire import BatchModel, json_encoder
 
 
 def read_file(path: str, skip_invalid: bool, inputs: InputOptions | None = None):  # -> ParsedInput
@@ -156,6 +156,7 @@ def submit(
     parsed = read_file(file, skip_invalid, inputs)
     conn = connect(redis_url, writes_jobs=True)
     if resume:
+        _check_served(conn, _plan_of(conn, resume), require_workers)
         info = _resume(conn, resume, parsed.requests)
     else:
         queue = queue_name or keys.queue_name_for_model(model)
@@ -180,6 +181,15 @@ def submit(
         click.echo(f"submitted {info.total} requests to {queues} as batch {info.batch_id}")
     if wait:
         _wait_and_write(conn, info.batch_id, output, out_fmt, timeout)
+
+
+def _plan_of(conn: redis.Redis, batch_id: str) -> list[BatchModel]:
+    """The queues a batch's lines go to, as its first submit planned them."""
+    try:
+        info = q.get_batch(conn, batch_id)
+    except q.BatchNotFound as e:
+        fail(str(e))
+    return info.models or [BatchModel(queue=info.queue, lines=info.total, model=info.model)]
 
 
 def _check_served(conn: redis.Redis, plan: list, require: bool) -> None:
