@@ -109,10 +109,21 @@ def _batch_id(conn: redis.Redis, job_id: str) -> str:
     return batch_id
 
 
+def test_a_cancelled_job_leaves_its_lane(conn):
+    ids = _batch(conn, 3, "one")
+    assert q.cancel_jobs(conn, ids[1:2]) == (1, 0)
+    assert conn.lrange(keys.lane("one", _batch_id(conn, ids[0])), 0, -1) == [
+        i.encode() for i in (ids[0], ids[2])
+    ]
+    assert lanes.waiting(conn, ["one"]) == {"one": 2}
+
+
 def test_a_cancelled_job_left_in_a_lane_is_dropped_when_pulled(conn):
+    """A cancel that leaves the id in its lane (a batch's, before its lanes go): the pull
+    drops it, and runs the rest."""
     _, worker, _ = dequeued(conn, 0, "drop")
     ids = _batch(conn, 2, "drop")
-    assert q.cancel_jobs(conn, ids[:1]) == (1, 0)
+    assert q.cancel_jobs(conn, ids[:1], from_lanes=False) == (1, 0)
     pulled = intake.dequeue_many(worker, 10)
     assert [job.id for job, _ in pulled] == ids  # the cancelled id is still in the lane
     started = intake.register(worker, pulled)

@@ -171,11 +171,13 @@ def _retrying(fn: Callable, attempts: int = 8):
     raise AssertionError("unreachable")
 
 
-def cancel_jobs(conn: redis.Redis, job_ids: Sequence[str]) -> tuple[int, int]:
-    """Cancel jobs: waiting ones leave their queue at once (their results say cancelled),
-    running ones are flagged and stopped by their worker at its next check. Returns
-    (dequeued, flagged)."""
-    dequeued = cancel_retry.cancel_waiting(conn, job_ids)
+def cancel_jobs(
+    conn: redis.Redis, job_ids: Sequence[str], from_lanes: bool = True
+) -> tuple[int, int]:
+    """Cancel jobs: waiting ones leave their queue (and, with ``from_lanes``, their lane) at
+    once (their results say cancelled), running ones are flagged and stopped by their
+    worker at its next check. Returns (dequeued, flagged)."""
+    dequeued = cancel_retry.cancel_waiting(conn, job_ids, from_lanes)
     running = [j for j, s in zip(job_ids, job_states(conn, job_ids), strict=True) if s == "started"]
     with conn.pipeline(transaction=False) as pipe:
         for jid in running:
@@ -191,10 +193,10 @@ def cancel_batch(conn: redis.Redis, batch_id: str, stop_running: bool = True) ->
     _mark_cancelled(conn, batch_id)
     dequeued = flagged = 0
     for ids in iter_job_id_chunks(conn, batch_id):
-        if stop_running:
-            d, f = cancel_jobs(conn, ids)
+        if stop_running:  # (its lanes go as a whole below)
+            d, f = cancel_jobs(conn, ids, from_lanes=False)
         else:
-            d, f = cancel_retry.cancel_waiting(conn, ids), 0
+            d, f = cancel_retry.cancel_waiting(conn, ids, from_lanes=False), 0
         dequeued, flagged = dequeued + d, flagged + f
     lanes.drop_batch(conn, batch_id)  # only cancelled ids are left in them
     return dequeued, flagged

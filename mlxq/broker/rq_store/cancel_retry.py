@@ -11,6 +11,7 @@ from rq.exceptions import InvalidJobOperation
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 
+from mlxq.broker import keys
 from mlxq.broker.rq_store.counters import batch_of, move
 from mlxq.broker.rq_store.internals import enqueue_again
 from mlxq.broker.rq_store.reads import chunks, job_states
@@ -20,20 +21,23 @@ from mlxq.broker.rq_store.transitions import end_job, result_without_output
 from mlxq.broker.serializer import serializer
 
 
-def cancel_waiting(conn: redis.Redis, job_ids: Sequence[str]) -> int:
+def cancel_waiting(conn: redis.Redis, job_ids: Sequence[str], from_lanes: bool = True) -> int:
     """Cancel, through RQ, every job among ``job_ids`` that is still waiting to run; each
     stores a ``cancelled`` result. Returns how many. A job a worker takes meanwhile is left
-    to that worker (the check and the cancel are one optimistic transaction)."""
+    to that worker (the check and the cancel are one optimistic transaction).
+
+    ``from_lanes``: each id also leaves its batch's lane (one scan of the lane each: a
+    whole batch's cancel passes False and deletes its lanes at once instead)."""
     cancelled = 0
     for chunk in chunks(job_ids, 500):
         states = job_states(conn, chunk)
         waiting = [jid for jid, s in zip(chunk, states, strict=True) if s in WAITING]
         if waiting:
-            cancelled += _cancel_chunk(conn, waiting)
+            cancelled += _cancel_chunk(conn, waiting, from_lanes)
     return cancelled
 
 
-def _cancel_chunk(conn: redis.Redis, job_ids: list[str]) -> int:
+def _cancel_chunk(conn: redis.Redis, job_ids: list[str], from_lanes: bool) -> int:
     with conn.pipeline() as pipe:
         while True:
             try:
@@ -45,6 +49,9 @@ def _cancel_chunk(conn: redis.Redis, job_ids: list[str]) -> int:
                 pipe.multi()
                 for job in still:
                     job.cancel(pipeline=pipe)
+                    batch = batch_of(job)
+                    if from_lanes and batch is not None:
+                        pipe.lrem(keys.lane(job.origin, batch), 1, job.id)
                     result = result_without_output(job, "cancelled", "cancelled before it started")
                     queue = Queue(job.origin, connection=conn, serializer=serializer)
                     end_job(pipe, job, queue, result)
