@@ -5,7 +5,8 @@ The rank ticks a small watcher process (a byte on a pipe) each time it is ready 
 0's next message; no tick for longer than the patience (a wait, or a step's collectives,
 that long) makes the watcher print one line and kill the rank. A thread of the rank could
 not do it: MLX holds the GIL while a collective waits. The watcher exits when the rank
-does (its pipe closes).
+does (its pipe closes). Joining the group (``start.join``) is watched the same way, as one
+wait with no tick.
 """
 
 from __future__ import annotations

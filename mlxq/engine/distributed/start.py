@@ -15,8 +15,6 @@ import json
 import os
 import random
 import socket
-import subprocess
-import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import mlx.core as mx
 import msgspec
 
 from mlxq.engine.distributed.channel import Channel
+from mlxq.engine.distributed.silence import Silence
 from mlxq.engine.hardware import device_facts
 from mlxq.errors import StartupError, one_line
 
@@ -85,8 +84,9 @@ def peers() -> str:
 
 def join(backend: str, timeout: float | None = None) -> mx.distributed.Group:
     """``mx.distributed.init`` of ``backend``. If the other ranks do not connect within
-    ``timeout`` seconds, a watcher process prints one line naming them and ends this one
-    (MLX's init holds the GIL while it waits: no thread of this process could)."""
+    ``timeout`` seconds, a watcher process (:class:`Silence`) prints one line naming them
+    and ends this one (MLX's init holds the GIL while it waits: no thread of this process
+    could)."""
     if timeout is None:
         timeout = float(os.environ.get(JOIN_TIMEOUT_ENV) or JOIN_TIMEOUT_S)
     rank = os.environ.get("MLX_RANK", "?")
@@ -94,10 +94,7 @@ def join(backend: str, timeout: float | None = None) -> mx.distributed.Group:
         f"mlxq: error: rank {rank}: {peers()} did not connect within {timeout:g}s: start "
         "every rank (or check the hosts, their firewall and MLX_HOSTFILE)"
     )
-    watch = subprocess.Popen(
-        [sys.executable, "-c", _WATCH, str(timeout), line, str(os.getpid())],
-        stdin=subprocess.PIPE,
-    )
+    watch = Silence(timeout, line)  # (never ticked: the whole init is one wait)
     try:
         return mx.distributed.init(strict=True, backend=backend)
     except Exception as e:
@@ -106,17 +103,7 @@ def join(backend: str, timeout: float | None = None) -> mx.distributed.Group:
             "and MLX_HOSTFILE, or start the ranks with `mlxq worker --hosts`"
         ) from e
     finally:
-        assert watch.stdin is not None
-        watch.stdin.close()  # (the watcher exits quietly)
-        watch.wait()
-
-
-# The watcher: argv is the timeout, the line, the pid; a closed stdin means "joined".
-_WATCH = """import os, select, signal, sys
-if not select.select([sys.stdin], [], [], float(sys.argv[1]))[0]:
-    sys.stderr.write(sys.argv[2] + "\\n")
-    os.kill(int(sys.argv[3]), signal.SIGTERM)
-"""
+        watch.close()
 
 
 def greet(channel: Channel, model: str, path: Path) -> Start:
