@@ -16,9 +16,9 @@ from openai import OpenAI
 from mlxq.api.app import ApiSettings, create_app
 from mlxq.api.serving import ConnectionLimits, server_options
 from mlxq.broker import keys
-from mlxq.wire import WorkerInfo
 from mlxq.worker.launch import run_worker
 from mlxq.worker.profile import WorkerProfile
+from tests.helpers import worker_record
 
 KEY, OTHER_KEY, ADMIN_KEY = "sk-mlxq-test-1", "sk-mlxq-test-2", "sk-mlxq-admin"
 MODEL = "tiny"  # the queue is the model's last path component: the tiny model's folder
@@ -123,10 +123,7 @@ def run_tiny_worker(tiny_model: str, conn) -> None:
 def publish_worker(conn, name: str, model: str, queues: list[str]) -> None:
     """The record a live worker of ``model`` on ``queues`` publishes (no process behind it:
     it stays live until its key is deleted)."""
-    required = WorkerInfo.__struct_fields__[: -len(WorkerInfo.__struct_defaults__) or None]
-    fields: dict[str, Any] = dict.fromkeys(required, 0)
-    fields.update(name=name, host="h", model=model, queues=queues, backend="cpu")
-    fields.update(device="cpu", started_at=time.time(), heartbeat_at=time.time())
-    fields.update(recent_tps=0.0)
-    conn.set(keys.worker_info(name), msgspec.json.encode(WorkerInfo(**fields)))
+    now = time.time()
+    info = worker_record(name=name, model=model, queues=queues, started_at=now, heartbeat_at=now)
+    conn.set(keys.worker_info(name), msgspec.json.encode(info))
     conn.sadd(keys.workers(), name)

@@ -136,3 +136,17 @@ def waiting(conn: Any, queue: str) -> int:
     from mlxq.broker.rq_store import lanes
 
     return lanes.waiting(conn, [queue])[queue]
+
+
+def worker_record(**fields: Any) -> Any:  # -> WorkerInfo
+    """A live worker's record with ``fields`` set and plain values (zeros, ``cpu``) in every
+    other required field: what a test publishes or reads without a process behind it."""
+    import msgspec
+
+    from mlxq.wire import WorkerInfo
+
+    required = WorkerInfo.__struct_fields__[: -len(WorkerInfo.__struct_defaults__) or None]
+    record: dict[str, Any] = dict.fromkeys(required, 0)
+    record.update(name="w1", host="h", model="m", queues=[], backend="cpu", device="cpu")
+    record.update(recent_tps=0.0, started_at=0.0, heartbeat_at=0.0)
+    return msgspec.convert({**record, **fields}, WorkerInfo)

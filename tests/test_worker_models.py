@@ -17,6 +17,7 @@ from mlxq.errors import StartupError
 from mlxq.wire import ModelInfo, WorkerInfo
 from mlxq.worker.config import queues_by_model, worker_queues
 from mlxq.worker.profile import ProfileError, WorkerProfile, load_profile, merge
+from tests.helpers import worker_record
 
 
 def test_a_profile_names_several_models_and_the_first_loads_first(tmp_path: Path):
@@ -73,27 +74,14 @@ def test_two_models_of_one_queue_name_are_refused():
 
 
 def _info(**fields: Any) -> WorkerInfo:
-    record = dict(
-        name="w1",
-        host="h",
-        pid=1,
+    return worker_record(
         model="org/alpha",
         queues=["alpha", "beta", "default"],
-        backend="cpu",
-        device="cpu",
         memory_bytes=2**34,
         max_batch=8,
         kv_budget_bytes=2**30,
-        kv_reserved_bytes=0,
-        in_flight=0,
-        jobs_done=0,
-        jobs_failed=0,
-        tokens_generated=0,
-        recent_tps=0.0,
-        started_at=0.0,
-        heartbeat_at=0.0,
+        **fields,
     )
-    return msgspec.convert({**record, **fields}, WorkerInfo)
 
 
 def test_worker_records_list_their_models_and_old_records_still_read():
