@@ -24,7 +24,7 @@ import redis
 from rq import Queue, Retry
 
 from mlxq.broker import keys, routing
-from mlxq.broker.batches import CHUNK, _batch_info_decoder, get_batch, make_queue, new_batch_id
+from mlxq.broker.batches import CHUNK, _batch_info_decoder, get_batch, new_batch_id
 from mlxq.broker.rq_store import counters, lanes
 from mlxq.errors import StartupError
 from mlxq.wire import BatchInfo, JobMeta, Request, json_encoder
@@ -169,13 +169,12 @@ def _enqueue_rest(
     on_progress: Callable[[int], None] | None,
     on_jobs: Callable[[list[str]], None] | None,
 ) -> BatchInfo:
-    queues = {name: make_queue(conn, name) for name in info.queues()}
     retry = Retry(max=info.retries) if info.retries > 0 else None
     try:
         for at in range(start, len(requests), CHUNK):
             chunk = requests[at : at + CHUNK]
             datas = [_job_data(req, info, at + i, retry) for i, req in enumerate(chunk)]
-            routed = [queues[name] for name in routing.queues_of(chunk, info)]
+            routed = routing.queues_of(chunk, info)
             ids = _enqueue_chunk(conn, routed, info, datas, at, lease)
             if on_jobs:
                 on_jobs(ids)
@@ -187,9 +186,9 @@ def _enqueue_rest(
 
 
 def _enqueue_chunk(
-    conn: redis.Redis, routed: list[Queue], info: BatchInfo, datas: list, at: int, lease: bytes
+    conn: redis.Redis, routed: list[str], info: BatchInfo, datas: list, at: int, lease: bytes
 ) -> list[str]:
-    """One chunk of jobs (each onto its queue in ``routed``), their ids and their counters in
+    """One chunk of jobs (each onto its queue named in ``routed``), their ids and their counters in
     one transaction, written only if the batch is not cancelled and this submit still holds
     its lease with the batch's first ``at`` jobs enqueued. The record, the lease and the job
     list are watched, so a cancel or a ``resume`` taking over between the look and the write
@@ -208,7 +207,7 @@ def _enqueue_chunk(
                 ids = _enqueue_routed(conn, pipe, routed, datas, info)
                 pipe.rpush(keys.batch_jobs(batch_id), *ids)
                 pipe.expire(keys.batch_jobs(batch_id), keys.BATCH_TTL)
-                counters.mark_submitted(pipe, ids, batch_id, [rq.name for rq in routed])
+                counters.mark_submitted(pipe, ids, batch_id, routed)
                 pipe.set(keys.batch_submitter(batch_id), lease, ex=SUBMITTER_TTL)
                 pipe.execute()
                 return ids
@@ -219,7 +218,7 @@ def _enqueue_chunk(
 def _enqueue_routed(
     conn: redis.Redis,
     pipe: redis.client.Pipeline,
-    routed: list[Queue],
+    routed: list[str],
     datas: list,
     info: BatchInfo,
 ) -> list[str]:
@@ -227,11 +226,11 @@ def _enqueue_routed(
     ``lanes``); the ids in input order."""
     ids: list[str] = [""] * len(datas)
     groups: dict[str, list[int]] = {}
-    for i, rq in enumerate(routed):
-        groups.setdefault(rq.name, []).append(i)
-    for where in groups.values():
+    for i, queue in enumerate(routed):
+        groups.setdefault(queue, []).append(i)
+    for queue, where in groups.items():
         group = [datas[i] for i in where]
-        jobs = lanes.enqueue(conn, pipe, routed[where[0]].name, info.batch_id, info.priority, group)
+        jobs = lanes.enqueue(conn, pipe, queue, info.batch_id, info.priority, group)
         for i, job in zip(where, jobs, strict=True):
             ids[i] = job.id
     return ids
