@@ -79,7 +79,8 @@ class Setup:
     def _scheduler(self, engine: BatchEngine, facts: DeviceFacts) -> Scheduler:
         assert self.config is not None
         first = self.config not in self._sized  # a model switched back to is not logged again
-        self._sized.append(self.config)
+        if first:  # (not once per switch: a long-lived worker switches without end)
+            self._sized.append(self.config)
         return build_scheduler(self.config, log_sizing=first)
 
 
