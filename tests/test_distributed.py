@@ -255,3 +255,15 @@ def _rank(launcher: int, rank: int, timeout: float = 60) -> int:
                 return int(pid)
         time.sleep(0.05)
     raise AssertionError(f"no rank {rank} was started")
+
+
+def test_a_lost_peer_is_the_workers_fault_not_the_jobs():
+    """The slot engine fails a batch whose step raised, except where a collective lost its
+    peer: that is raised, so the worker puts the jobs back (the killed-rank test, when the
+    rank dies inside a step's all_sum)."""
+    from mlxq.engine.distributed.channel import peer_lost
+
+    assert peer_lost(RuntimeError("[ring] connection to a peer was lost"))
+    assert peer_lost(RuntimeError("[jaccl] Send failed"))
+    assert not peer_lost(RuntimeError("[metal] out of memory"))
+    assert not peer_lost(ValueError("[ring] not a collective's error"))

@@ -81,3 +81,13 @@ class Channel:
 def ring_bytes(array_bytes: int, size: int) -> float:
     """Bytes each rank sends for an all_sum of ``array_bytes`` over a ring of ``size``."""
     return 2 * (size - 1) / size * array_bytes
+
+
+# How MLX's distributed backends word a collective whose peer is gone (a RuntimeError).
+_PEER_LOST = ("[ring]", "[jaccl]")
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because another rank is gone: the worker's
+    fault, not the jobs' (they go back on their queues rather than fail)."""
+    return isinstance(exc, RuntimeError) and str(exc).startswith(_PEER_LOST)

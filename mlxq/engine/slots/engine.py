@@ -39,6 +39,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxq.engine.constraints.slot_hook import ConstraintHook
+from mlxq.engine.distributed.channel import peer_lost
 from mlxq.engine.hardware import backend_name
 from mlxq.engine.models import mlx_lm_seam
 from mlxq.engine.models.facts import model_info
@@ -333,7 +334,11 @@ class SlotEngine(Stepping, Joining):
         return list(range(len(live), needed))
 
     def _fail_batch(self, exc: Exception) -> list[Completion]:
-        """Fail the decoding jobs; keep the waiting ones; start from a fresh slot cache."""
+        """Fail the decoding jobs; keep the waiting ones; start from a fresh slot cache. A
+        collective whose peer rank is gone is no fault of the jobs: it is raised (the worker
+        puts them back)."""
+        if peer_lost(exc):
+            raise exc
         error = f"generation failed for the whole batch: {error_line(exc)}"
         failed = [c for slot in list(self._rows) for c in self._finish(slot, "error", error)]
         self._inflight = None
