@@ -83,10 +83,11 @@ class FlakyModel:
     def __init__(self, model: Any) -> None:
         self.inner = model
         self.fail = False
+        self.error = "[metal::malloc] Attempting to allocate 99 GB\nwhich is too much"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.fail:
-            raise RuntimeError("[metal::malloc] Attempting to allocate 99 GB\nwhich is too much")
+            raise RuntimeError(self.error)
         return self.inner(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:

@@ -265,5 +265,6 @@ def test_a_lost_peer_is_the_workers_fault_not_the_jobs():
 
     assert peer_lost(RuntimeError("[ring] connection to a peer was lost"))
     assert peer_lost(RuntimeError("[jaccl] Send failed"))
+    assert peer_lost(RuntimeError("Recv failed with errno=104"))
     assert not peer_lost(RuntimeError("[metal] out of memory"))
     assert not peer_lost(ValueError("[ring] not a collective's error"))

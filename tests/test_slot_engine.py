@@ -276,6 +276,30 @@ def test_model_error_fails_the_batch_and_engine_recovers(tiny) -> None:
         )
 
 
+def test_a_lost_peer_rank_is_raised_not_a_failure_of_the_jobs(tiny) -> None:
+    """A collective whose peer rank died (tensor parallel) fails no job, neither in a
+    decode step nor in a joining group's prefill: it is raised, and the worker puts the
+    jobs back (CI caught a group of 4 failed when the rank died inside its prefill)."""
+    model, tokenizer = tiny
+    flaky = FlakyModel(model)
+    flaky.error = "[ring] connection to a peer was lost"
+    engine = SlotEngine.from_loaded(flaky, tokenizer, "tiny", max_batch=4, prefill_batch=2)
+    engine.join_policy = JoinPolicy(0)
+    for i in range(2):
+        engine.add(EngineJob(str(i), REQUESTS[i]))
+    engine.step()
+    flaky.fail = True
+    with pytest.raises(RuntimeError, match="peer was lost"):  # (a decode step)
+        for _ in range(4):
+            engine.step()
+    flaky.fail = False
+    engine = SlotEngine.from_loaded(flaky, tokenizer, "tiny", max_batch=4, prefill_batch=2)
+    engine.add(EngineJob("a", REQUESTS[0]))
+    flaky.fail = True
+    with pytest.raises(RuntimeError, match="peer was lost"):  # (the join's prefill)
+        engine.step()
+
+
 def test_prefix_reuse_writes_the_prefix_into_slots(tiny) -> None:
     model, tokenizer = tiny
     shared = list(range(3, 200))

@@ -15,6 +15,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
+from mlxq.engine.distributed.channel import peer_lost
 from mlxq.engine.prompts import error_line
 from mlxq.engine.sampling import Completion, RunningJob, make_job_sampler
 from mlxq.engine.slots.decode import Row
@@ -112,7 +113,10 @@ class Joining:
         return []
 
     def _drop(self, group: list[Waiting], slots: list[int], exc: Exception) -> list[Completion]:
-        """Fail a group that could not start; its slots are free again."""
+        """Fail a group that could not start; its slots are free again. A collective whose
+        peer rank is gone is no fault of the group: it is raised (the worker puts it back)."""
+        if peer_lost(exc):
+            raise exc
         for slot in slots:
             self._cache.free(slot)
         out = []
