@@ -1,11 +1,13 @@
 """One process of the distributed engine tests (tests/test_distributed.py).
 
-``python distributed_rank.py MODEL OUT.json [TEMPERATURE]`` runs the same jobs (joining
-and finishing mid-batch: more jobs than rows, varied prompts and lengths) through a slot
-engine and writes every job's token ids to OUT.json. With ``MLX_RANK`` set it is one rank
-of a tensor-parallel group: rank 0 drives a lockstep engine, the others follow, and each
-rank writes what its own engine produced (OUT.json.RANK). Without, it is the one-process
-run, with mlx-lm's single-request greedy tokens beside (``reference``).
+``python distributed_rank.py MODEL OUT.json [TEMPERATURE [tensor|pipeline]]`` runs the
+same jobs (joining and finishing mid-batch: more jobs than rows, varied prompts and
+lengths) through a slot engine and writes every job's token ids to OUT.json. With
+``MLX_RANK`` set it is one rank of a group: tensor parallel (rank 0 drives a lockstep
+engine, the others follow) or pipeline parallel (a stage and one engine per micro-batch
+on each rank, rank 0 driving them); each rank writes what its own engines produced
+(OUT.json.RANK). Without, it is the one-process run, with mlx-lm's single-request greedy
+tokens beside (``reference``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from engine_reference import reference, run_all
 
@@ -55,6 +58,7 @@ class Recording:
 def main() -> None:
     model_dir, out = sys.argv[1], Path(sys.argv[2])
     temperature = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
+    parallel = sys.argv[4] if len(sys.argv) > 4 else "tensor"
     todo = jobs(temperature)
     if "MLX_RANK" not in os.environ:
         import mlx_lm
@@ -69,24 +73,57 @@ def main() -> None:
         return
     from mlxq.engine.distributed.channel import Channel
     from mlxq.engine.distributed.lockstep import LockstepEngine, follow
+    from mlxq.engine.distributed.split import load_split
     from mlxq.engine.distributed.start import greet, join
-    from mlxq.engine.distributed.tensor import load_sharded
 
     channel = Channel(join("ring"))
     greet(channel, model_dir, Path(model_dir))
-    model, tokenizer = load_sharded(model_dir, Path(model_dir), None, channel.group)
+    if parallel == "pipeline":
+        done = pipeline_rank(model_dir, channel.group, todo)
+        out.with_suffix(f".{channel.rank}").write_text(json.dumps({"tokens": done}))
+        return
+    model, tokenizer, _, _ = load_split(model_dir, Path(model_dir), None, channel.group, "tensor")
     engine = SlotEngine(model, tokenizer, "m", max_batch=MAX_BATCH, prefill_batch=2)
     if channel.rank:
         recording = Recording(engine)
         follow(recording, channel)  # type: ignore[arg-type]
         done = recording.done
     else:
-        lockstep = LockstepEngine(engine, channel)
-        lockstep.warmup()
-        done = {k: c.token_ids for k, c in run_all(lockstep, todo, join_every=2).items()}
-        lockstep.close()
+        done = drive(LockstepEngine(engine, channel), todo)
     done.pop(WARMUP_KEY, None)
     out.with_suffix(f".{channel.rank}").write_text(json.dumps({"tokens": done}))
+
+
+def pipeline_rank(model_dir: str, group: Any, todo: dict[str, Request]) -> dict[str, list[int]]:
+    """This rank's stage and micro-batch engines (as many as ranks, 2 rows each, so jobs
+    join and finish mid-batch in each); rank 0 drives, the others follow."""
+    from mlxq.engine.distributed.pipeline import PipelineEngine, follow
+    from mlxq.engine.distributed.relay import Relay
+    from mlxq.engine.distributed.split import load_split
+
+    model, tokenizer, _, _ = load_split(model_dir, Path(model_dir), None, group, "pipeline")
+    engines = [
+        SlotEngine(model, tokenizer, "m", max_batch=2, prefill_batch=2) for _ in range(group.size())
+    ]
+    for e in engines:
+        e.as_stage(samples=group.rank() == 0)
+    relay = Relay(group)
+    if group.rank():
+        recording = [Recording(e) for e in engines]
+        follow(recording, relay)  # type: ignore[arg-type]
+        done = {k: v for r in recording for k, v in r.done.items()}
+    else:
+        done = drive(PipelineEngine(engines, relay), todo)
+    done.pop(WARMUP_KEY, None)
+    return done
+
+
+def drive(engine: Any, todo: dict[str, Request]) -> dict[str, list[int]]:
+    """Rank 0: warm up, run the jobs (one joining every other step), close; the tokens."""
+    engine.warmup()
+    done = {k: c.token_ids for k, c in run_all(engine, todo, join_every=2).items()}
+    engine.close()
+    return done
 
 
 if __name__ == "__main__":

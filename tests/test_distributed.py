@@ -1,7 +1,8 @@
-"""One worker over several processes (issue 30, tensor parallel), on this machine over MLX's
-ring backend on localhost: the ranks' engines in lockstep give the one-process tokens;
-sampling draws the same on every rank; a killed rank puts the jobs back; a rank that
-cannot start fails in one line naming its host."""
+"""One worker over several processes (issue 30), on this machine over MLX's ring backend on
+localhost, the model split by heads (tensor parallel, engines in lockstep) or by layers
+(pipeline parallel, micro-batches in flight): both give the one-process tokens; sampling
+draws the same on every rank; a killed rank puts the jobs back; a rank that cannot start
+fails in one line naming its host."""
 
 from __future__ import annotations
 
@@ -64,19 +65,28 @@ def run_one(model: str, out: Path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
+SPLITS = ["tensor", "pipeline"]
+
+
+@pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_tensor_parallel_greedy_equals_one_process(tp_model: str, tmp_path: Path, ranks: int):
+def test_a_split_model_gives_the_one_process_greedy_tokens(
+    tp_model: str, tmp_path: Path, ranks: int, split: str
+):
+    """Jobs joining and finishing mid-batch (10 jobs, 4 rows; a pipeline's micro-batches of
+    2 rows each) give mlx-lm's greedy tokens on every rank."""
     one = run_one(tp_model, tmp_path / "one.json")
     assert one["tokens"] == one["reference"]  # (the one-process engine is mlx-lm's greedy)
-    every = run_ranks(tp_model, tmp_path / "split.json", ranks)
+    every = run_ranks(tp_model, tmp_path / "split.json", ranks, "0", split)
     assert len(one["tokens"]) == 10 and len({len(t) for t in one["tokens"].values()}) > 1
     for got in every:
         assert got["tokens"] == one["tokens"]
 
 
-def test_sampling_draws_the_same_on_every_rank(tp_model: str, tmp_path: Path):
+@pytest.mark.parametrize("split", SPLITS)
+def test_sampling_draws_the_same_on_every_rank(tp_model: str, tmp_path: Path, split: str):
     one = run_one(tp_model, tmp_path / "one.json", "0.9")
-    every = run_ranks(tp_model, tmp_path / "split.json", 2, "0.9")
+    every = run_ranks(tp_model, tmp_path / "split.json", 2, "0.9", split)
     assert every[0] == every[1]  # jobs without a seed too: rank 0 seeds them
     seeded = {k: v for k, v in one["tokens"].items() if int(k[3:]) % 2 == 0}
     assert {k: every[0]["tokens"][k] for k in seeded} == seeded  # seeds as in one process
@@ -134,14 +144,18 @@ def once_each(conn: redis.Redis, batch_id: str, n: int) -> dict[int, list[int]]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["auto", "tensor"])
 def test_a_worker_over_two_ranks_gives_the_one_process_tokens(
-    tp_model: str, conn: redis.Redis, valkey_url: str
+    tp_model: str, conn: redis.Redis, valkey_url: str, parallel: str
 ):
+    """Through the real worker: ``auto`` over ring is pipeline parallel (logged)."""
     split = submit(conn, 12, 40)
     args = ("worker", "--model", tp_model, "--max-batch", "4", "--burst", "-q", "default")
-    done = run_mlxq(*args, "--hosts", "127.0.0.1,127.0.0.1", url=valkey_url)
+    hosts = ("--hosts", "127.0.0.1,127.0.0.1", "--parallel", parallel)
+    done = run_mlxq(*args, *hosts, url=valkey_url)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "tensor parallel over 2 ranks" in done.stderr
+    chosen = "pipeline" if parallel == "auto" else "tensor"
+    assert f"{chosen} parallel over 2 ranks" in done.stderr, done.stderr[-3000:]
     got = once_each(conn, split, 12)
     one = submit(conn, 12, 40)
     assert run_mlxq(*args, url=valkey_url).returncode == 0
@@ -221,12 +235,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.fixture
-def tp_worker(tp_model: str, valkey_url: str) -> Iterator[subprocess.Popen]:
-    """A long-lived `mlxq worker --hosts` of two ranks on this machine (stderr piped); its
-    whole process group is killed at the end, whatever the test left running."""
+@pytest.fixture(params=SPLITS)
+def tp_worker(
+    tp_model: str, valkey_url: str, request: pytest.FixtureRequest
+) -> Iterator[subprocess.Popen]:
+    """A long-lived `mlxq worker --hosts` of two ranks on this machine, tensor or pipeline
+    parallel (stderr piped); its whole process group is killed at the end, whatever the
+    test left running."""
     args = ["worker", "--model", tp_model, "--max-batch", "4", "-q", "default"]
     args += ["--stall-timeout", str(STALL_S), "--hosts", "127.0.0.1,127.0.0.1"]
+    args += ["--parallel", request.param]
     worker = subprocess.Popen(
         [sys.executable, "-m", "mlxq", *args],
         cwd=ROOT,
@@ -268,3 +286,31 @@ def test_a_lost_peer_is_the_workers_fault_not_the_jobs():
     assert peer_lost(RuntimeError("Recv failed with errno=104"))
     assert not peer_lost(RuntimeError("[metal] out of memory"))
     assert not peer_lost(ValueError("[ring] not a collective's error"))
+
+
+def test_layers_split_evenly_with_rank_0_last():
+    """Rank 0 (the RQ worker) holds the last layers and the LM head, so it samples."""
+    from mlxq.engine.distributed.stages import layer_spans, stage_order
+
+    assert stage_order(2) == [1, 0] and stage_order(3) == [1, 2, 0]
+    assert layer_spans(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert layer_spans(4, 2) == [(0, 2), (2, 4)]
+
+
+def test_the_split_follows_the_backend_and_the_model(tp_model: str):
+    """auto: pipeline over ring, tensor over jaccl, the other where the model allows only
+    it; what nothing allows fails in one line that names both reasons."""
+    import mlx_lm
+
+    from mlxq.engine.distributed.split import choose_split
+    from mlxq.errors import StartupError
+
+    model = mlx_lm.load(tp_model, lazy=True)[0]  # (4 layers, 6 heads)
+    assert choose_split("auto", "ring", model, 2)[0] == "pipeline"
+    assert choose_split("auto", "jaccl", model, 3)[0] == "tensor"
+    assert choose_split("tensor", "ring", model, 2) == ("tensor", "--parallel tensor")
+    with pytest.raises(StartupError, match=r"by --parallel tensor: its num_attention_heads"):
+        choose_split("tensor", "ring", model, 4)
+    with pytest.raises(StartupError, match=r"not by heads .* not by layers \(a pipeline spans"):
+        choose_split("auto", "ring", model, 4)
+    assert choose_split("auto", "ring", model, 6)[0] == "tensor"  # (6 ranks > 4 layers)

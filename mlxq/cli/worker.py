@@ -166,13 +166,20 @@ def worker_profile(profile: str | None, **overrides: Any):  # -> WorkerProfile
 @click.option(
     "--hosts",
     callback=lambda _ctx, _param, v: None if v is None else [h for h in v.split(",") if h],
-    help="Split the model over these hosts, comma-separated, this one first: one worker, "
-    "tensor parallel through MLX's distributed backend (README: A model bigger than one Mac).",
+    help="Split the model over these hosts, comma-separated, this one first: one worker "
+    "through MLX's distributed backend (README: A model bigger than one Mac).",
 )
 @click.option(
     "--backend",
     type=click.Choice(["ring", "jaccl"]),
     help="MLX distributed backend for --hosts [default: ring].",
+)
+@click.option(
+    "--parallel",
+    type=click.Choice(["auto", "tensor", "pipeline"]),
+    help="How --hosts split the model: by heads (tensor: every layer's work shared, two "
+    "all_sums a layer, for fast links) or by layers (pipeline: micro-batches in flight, "
+    "one send a step) [default: auto: pipeline over ring, tensor over jaccl].",
 )
 @redis_option
 def worker(

@@ -3,10 +3,12 @@
 Without ``MLX_RANK`` in its environment the command starts one rank per host
 (:mod:`mlxq.worker.distributed_ranks`) and waits for them. With it (started so, by
 ``mlx.launch``, or by hand), it is one rank: every rank joins the group and checks its
-peers (:mod:`mlxq.engine.distributed.start`) and loads its share of the model
-(:mod:`mlxq.engine.distributed.tensor`). Rank 0 is the RQ worker: it alone talks to
-Redis, sizes the batch (from the smallest rank's memory), sends the engine settings and
-then every engine call (:mod:`mlxq.engine.distributed.lockstep`); the other ranks follow.
+peers (:mod:`mlxq.engine.distributed.start`) and loads its share of the model, split by
+heads or by layers as :mod:`mlxq.engine.distributed.split` chooses (``--parallel``).
+Rank 0 is the RQ worker: it alone talks to Redis, sizes the batch (from the smallest
+rank's memory), sends the engine settings and then every engine call (tensor parallel:
+:mod:`mlxq.engine.distributed.lockstep`; pipeline parallel, one engine per micro-batch:
+:mod:`mlxq.engine.distributed.pipeline`); the other ranks follow.
 A lost rank fails rank 0's next collective (idle, within seconds): its MLX thread stops,
 its jobs go back on their queues and it exits non-zero; a hung rank stalls rank 0, whose
 ``--stall-timeout`` does the same. A rank that loses rank 0 exits non-zero.
@@ -22,15 +24,20 @@ from pathlib import Path
 import msgspec
 import redis
 
+from mlxq.engine.distributed import pipeline
 from mlxq.engine.distributed.channel import Channel
 from mlxq.engine.distributed.lockstep import PING_S, LockstepEngine, follow
+from mlxq.engine.distributed.relay import Relay
 from mlxq.engine.distributed.silence import Silence
+from mlxq.engine.distributed.split import load_split
+from mlxq.engine.distributed.stages import stage_info
 from mlxq.engine.distributed.start import Start, greet, join
-from mlxq.engine.distributed.tensor import load_sharded, rank_info
+from mlxq.engine.distributed.tensor import rank_info
 from mlxq.engine.hardware import DeviceFacts, device_facts
 from mlxq.engine.models.facts import model_info
 from mlxq.engine.models.source import resolve_model
 from mlxq.engine.protocol import BatchEngine
+from mlxq.engine.slots.engine import SlotEngine
 from mlxq.errors import StartupError, one_line
 from mlxq.worker.config import resolve
 from mlxq.worker.launch import Setup, engine_for, run_worker
@@ -70,23 +77,61 @@ class RankZeroSetup(Setup):
         self.channel, self.started, self.path = channel, start, path
 
     def _engine(self, facts: DeviceFacts, model: str | None = None) -> BatchEngine:
-        name, group = self.profile.model or "", self.channel.group
-        loaded, tokenizer = load_sharded(name, self.path, self.profile.adapter_path, group)
+        name, group, size = self.profile.model or "", self.channel.group, self.channel.size
+        loaded, tokenizer, split, why = load_split(
+            name, self.path, self.profile.adapter_path, group, self.profile.parallel,
+            self.profile.backend,
+        )  # fmt: skip
         facts = msgspec.structs.replace(facts, memory_bytes=self.started.memory_bytes)
-        info = rank_info(model_info(loaded, name, vocab_size=len(tokenizer)), group.size())
+        info = model_info(loaded, name, vocab_size=len(tokenizer))
+        info = rank_info(info, size) if split == "tensor" else stage_info(info, loaded)
         self.config = resolve(self.profile, facts, info, self.neighbours)
         options = msgspec.convert(self.config, EngineOptions, from_attributes=True)
         self.channel.broadcast(msgspec.msgpack.encode(options))
+        hosts = ", ".join(self.started.hosts)
+        memory = self.started.memory_bytes / 2**30
+        if split == "tensor":
+            log.info(
+                "tensor parallel over %d ranks (%s; %s): %d of %d KV heads per rank; the "
+                "batch is sized from the smallest rank's memory, %.1f GiB",
+                size, hosts, why, info.num_kv_heads, info.num_kv_heads * size, memory,
+            )  # fmt: skip
+            return LockstepEngine(engine_for(loaded, tokenizer, options), self.channel)  # type: ignore[arg-type]
         log.info(
-            "tensor parallel over %d ranks (%s): %d of %d KV heads per rank; the batch "
-            "is sized from the smallest rank's memory, %.1f GiB",
-            group.size(),
-            ", ".join(self.started.hosts),
-            info.num_kv_heads,
-            info.num_kv_heads * group.size(),
-            self.started.memory_bytes / 2**30,
+            "pipeline parallel over %d ranks (%s; %s): up to %d of %s layers per rank, %d "
+            "micro-batches in flight; the batch is sized from the smallest rank's memory, "
+            "%.1f GiB",
+            size, hosts, why, info.num_layers, getattr(loaded.args, "num_hidden_layers", "?"), size,
+            memory,
+        )  # fmt: skip
+        engine = pipeline.PipelineEngine(
+            micro_batches(loaded, tokenizer, options, size, True), Relay(group)
         )
-        return LockstepEngine(engine_for(loaded, tokenizer, options), self.channel)  # type: ignore[arg-type]
+        engine.warmup()
+        return engine  # type: ignore[return-value]
+
+
+def micro_batches(
+    loaded: object, tokenizer: object, options: EngineOptions, size: int, samples: bool
+) -> list[SlotEngine]:
+    """A stage's engines, one per micro-batch, sharing the batch and prefix cache sizes;
+    ``samples``: rank 0's, whose stage samples."""
+    engines = []
+    for _ in range(size):
+        engine = SlotEngine(
+            loaded,  # type: ignore[arg-type]
+            tokenizer,
+            options.model,
+            max_batch=-(-options.engine_max_batch // size),
+            prefill_batch=options.prefill_batch,
+            prefill_step=options.prefill_step,
+            prefill_tokens=options.prefill_tokens if options.auto_prefill else None,
+            prefix_cache_bytes=options.prefix_cache_bytes // size,
+            kv_bits=options.kv_bits,
+        )
+        engine.as_stage(samples)
+        engines.append(engine)
+    return engines
 
 
 def serve(
@@ -134,16 +179,22 @@ def _silence(profile: WorkerProfile, rank: int) -> Silence:
 
 
 def _follow(profile: WorkerProfile, channel: Channel, path: Path) -> int:
-    """A rank other than 0: load its share, build the engine rank 0 describes, follow."""
+    """A rank other than 0: load its share, build the engines rank 0 describes, follow."""
     name = profile.model or ""
-    loaded, tokenizer = load_sharded(name, path, profile.adapter_path, channel.group)
+    loaded, tokenizer, split, _ = load_split(
+        name, path, profile.adapter_path, channel.group, profile.parallel, profile.backend
+    )
     try:
         options = msgspec.msgpack.decode(channel.broadcast(), type=EngineOptions)
-        engine = engine_for(loaded, tokenizer, options)  # type: ignore[arg-type]
-        log.info("rank %d of %d: following rank 0", channel.rank, channel.size)
+        log.info("rank %d of %d: following rank 0 (%s parallel)", channel.rank, channel.size, split)
         silence = _silence(profile, channel.rank)
         try:
-            steps = follow(engine, channel, silence.tick)
+            if split == "tensor":
+                engine = engine_for(loaded, tokenizer, options)  # type: ignore[arg-type]
+                steps = follow(engine, channel, silence.tick)
+            else:
+                engines = micro_batches(loaded, tokenizer, options, channel.size, False)
+                steps = pipeline.follow(engines, Relay(channel.group), silence.tick)
         finally:
             silence.close()
     except RuntimeError as e:  # (MLX's ring: "connection to a peer was lost")

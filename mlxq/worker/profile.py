@@ -58,9 +58,11 @@ class WorkerProfile(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # Serve Prometheus metrics on this port (needs the `metrics` extra).
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
     # One worker over several hosts (rank 0, this one, first): the model split by heads
-    # through MLX's distributed backend (mlxq.worker.distributed_launch).
+    # (tensor) or by layers (pipeline) through MLX's distributed backend
+    # (mlxq.worker.distributed_launch); "auto" picks by backend (mlxq.engine.distributed.split).
     hosts: Annotated[list[str], Meta(min_length=2)] = []
     backend: Literal["ring", "jaccl"] = "ring"
+    parallel: Literal["auto", "tensor", "pipeline"] = "auto"
     # With several models: seconds a model stays loaded while its queues have work before
     # another model's waiting jobs take the worker (bounds switching back and forth).
     min_model_seconds: Annotated[float, Meta(ge=0.0)] = 60.0

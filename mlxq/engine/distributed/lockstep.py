@@ -190,15 +190,27 @@ def follow(
     while True:
         if tick is not None:
             tick()
-        for call in _DECODER.decode(channel.broadcast()):
-            if isinstance(call, Close):
-                engine.close()
-                return steps
-            try:
-                _apply(engine, call)
-            except ValueError as e:
-                log.debug("call %s failed here as on rank 0: %s", type(call).__name__, e)
-            steps += isinstance(call, Step)
+        calls = _DECODER.decode(channel.broadcast())
+        if not apply_calls(calls, lambda c: _apply(engine, c), engine.close):
+            return steps
+        steps += sum(isinstance(c, Step) for c in calls)
+
+
+def apply_calls(
+    calls: list[Any], apply: Callable[[Any], object], close: Callable[[], None]
+) -> bool:
+    """A follower applies rank 0's ``calls`` in order: False (after ``close()``) at a
+    :class:`Close`. A call that raises ``ValueError`` here raised on rank 0 too (the same
+    state): it is logged and the next one applied."""
+    for call in calls:
+        if isinstance(call, Close):
+            close()
+            return False
+        try:
+            apply(call)
+        except ValueError as e:
+            log.debug("call %s failed here as on rank 0: %s", type(call).__name__, e)
+    return True
 
 
 def _apply(engine: BatchEngine, call: Call) -> None:

@@ -9,15 +9,10 @@ so a rank reads only its share (mlx-lm's ``sharded_load`` does the same).
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import mlx.core as mx
 import mlx.nn as nn
 import msgspec
 
-from mlxq.engine.models.source import load_model
-from mlxq.errors import StartupError
 from mlxq.wire import ModelInfo
 
 # Model args that shard() divides by the number of ranks.
@@ -37,26 +32,10 @@ def unshardable(model: nn.Module, size: int) -> str | None:
     return None
 
 
-def load_sharded(
-    name: str, path: Path, adapter_path: str | None, group: mx.distributed.Group
-) -> tuple[Any, Any]:
-    """The model and tokenizer with this rank's share of the weights loaded; a
-    :class:`StartupError` in one line if it cannot be split over the group."""
-    if adapter_path is not None:
-        raise StartupError(
-            "a LoRA adapter cannot be split over ranks yet: fuse it into the model "
-            "(`mlx_lm.fuse`) and serve the fused model"
-        )
-    model, tokenizer = load_model(name, path, lazy=True)
-    why = unshardable(model, group.size())
-    if why is not None:
-        raise StartupError(
-            f"model {name} cannot be split over {group.size()} ranks: {why}; pick a "
-            "number of hosts that divides its heads, or another model"
-        )
+def shard(model: nn.Module, group: mx.distributed.Group) -> None:
+    """Keep this rank's share of every layer (``unshardable`` said it can), loaded."""
     model.shard(group)
     mx.eval(model.parameters())
-    return model, tokenizer
 
 
 def rank_info(info: ModelInfo, size: int) -> ModelInfo:

@@ -80,13 +80,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         sliding_window=8,
         sliding_window_pattern=2,
     ),
-    # Heads, KV heads and MLP divisible by 2 and 3: split over 2 or 3 ranks (distributed).
+    # Heads, KV heads and MLP divisible by 2 and 3, and 4 layers: split over 2 or 3 ranks
+    # by heads or by layers (distributed).
     "tiny-tp": _tiny(
         "llama",
         hidden_size=96,
         intermediate_size=192,
         num_attention_heads=6,
         num_key_value_heads=6,
+        num_hidden_layers=4,
     ),
     # A CPU benchmark model: big enough that compute, not per-op overhead, sets the pace.
     "cpu-small": {

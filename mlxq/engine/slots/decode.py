@@ -211,6 +211,14 @@ def move_rows(rows: dict[int, Row], order: list[int]) -> dict[int, Row]:
     return moved
 
 
+def relayed_step(rows: list[Row], vocab: int) -> Step:
+    """A step of a pipeline stage that does not sample: its tokens come from the rank that
+    does (:meth:`~mlxq.engine.slots.engine.SlotEngine.deliver`); its logprobs are zeros
+    (that rank writes the results). The stage's forward has started its send already."""
+    zeros = mx.broadcast_to(mx.array(0.0), (len(rows), vocab))  # (a view: no memory)
+    return Step(rows, None, zeros)  # type: ignore[arg-type]
+
+
 def sample_step(rows: list[Row], logits: mx.array, hooks: list[BatchLogitsHook]) -> Step:
     """Sample ``rows`` from their ``logits`` (:func:`sample`) and start computing it."""
     sampled, logprobs = sample(rows, logits, hooks)

@@ -144,6 +144,7 @@ class SlotEngine(Stepping, Joining):
         self._stats = EngineStats()
         self._steps = 0
         self._inflight: Step | None = None  # the decode step launched, not yet collected
+        self.relayed = False  # a pipeline stage that does not sample (:meth:`as_stage`)
 
     # -- the BatchEngine interface, bookkeeping --
 
@@ -234,6 +235,30 @@ class SlotEngine(Stepping, Joining):
     def warmup(self) -> None:
         """Run one tiny generation so that the first real jobs skip compile/alloc costs."""
         warm_up(self)
+
+    # -- a stage of a pipeline (mlxq.engine.distributed.pipeline) --
+
+    def as_stage(self, samples: bool) -> None:
+        """Run over a pipeline stage's model: eagerly (a stage sends in mid-forward, which
+        a compiled forward cannot); unless it ``samples``, each decode step's tokens come
+        from the rank that does, through :meth:`deliver`, before they are read."""
+        self.relayed = not samples
+        self.choices = dataclasses.replace(self.choices, compiled=False)
+        self._forward = None
+
+    def in_flight(self) -> Step | None:
+        """The decode step launched and not yet collected, if any."""
+        return self._inflight
+
+    def deliver(self, tokens: list[int]) -> None:
+        """The sampled tokens of the step in flight (a stage that does not sample)."""
+        step = self._inflight
+        if step is None or step.sampled is not None or len(step.rows) != len(tokens):
+            rows = "none" if step is None else len(step.rows)
+            raise RuntimeError(
+                f"pipeline out of step: {len(tokens)} tokens for a step of {rows} rows"
+            )
+        step.sampled = mx.array(tokens, dtype=mx.uint32)
 
     def close(self) -> None:
         """Drop all jobs and the slot cache."""

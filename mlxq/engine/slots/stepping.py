@@ -25,7 +25,14 @@ import mlx.core as mx
 
 from mlxq.engine.prompts import error_line
 from mlxq.engine.sampling import Completion, StreamChunk
-from mlxq.engine.slots.decode import Row, Step, TraceFailed, run_forward, sample_step
+from mlxq.engine.slots.decode import (
+    Row,
+    Step,
+    TraceFailed,
+    relayed_step,
+    run_forward,
+    sample_step,
+)
 from mlxq.wire import FinishReason
 
 log = logging.getLogger("mlxq.engine.slots.engine")
@@ -57,6 +64,8 @@ class Stepping:
     _rows: dict[int, Row]
     _chunks: list[StreamChunk]
     _inflight: Step | None
+    relayed: bool
+    info: Any
 
     _keys: dict[str, int]
     _samples: dict[str, Any]
@@ -93,7 +102,7 @@ class Stepping:
         try:
             logits = self._forward_logits(rows, prev)
             if not sync:
-                out.step = sample_step(rows, logits, self.hooks)
+                out.step = self._sample(rows, logits)
             else:
                 if prev is not None:
                     tic = time.perf_counter()
@@ -137,10 +146,17 @@ class Stepping:
         if len(live) < len(rows):
             rows, logits = [rows[i] for i in live], logits[mx.array(live)]
         try:
-            self._inflight = sample_step(rows, logits, self.hooks)
+            self._inflight = self._sample(rows, logits)
         except Exception as exc:
             return self._fail_batch(exc)
         return []
+
+    def _sample(self, rows: list[Row], logits: mx.array) -> Step:
+        """Sample the step, or (a pipeline stage that does not sample) leave its tokens
+        to be delivered."""
+        if self.relayed:
+            return relayed_step(rows, self.info.vocab_size)
+        return sample_step(rows, logits, self.hooks)
 
     def _launchable(self) -> list[Row]:
         """Rows to decode next, in slot order: all but those whose step in flight gives
