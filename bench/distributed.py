@@ -3,7 +3,7 @@ ring backend over localhost), by heads and by layers, and the bytes the ranks se
 other per decode step.
 
     python bench/distributed.py [--preset cpu-small-tp] [--jobs 48] [--batch 16]
-        [--sizes 1,2,3] [--splits tensor,pipeline]
+        [--sizes 1,2,3] [--splits tensor,pipeline] [--device cpu]
 
 The same workload for every run (prompts of 32-128 tokens, 16-128 output tokens, varied;
 a queue 3x the batch), through the slot engine. Tensor parallel: the lockstep engine;
@@ -52,9 +52,14 @@ def count_sends(name: str) -> dict[str, int]:
     return counts
 
 
-def rank_main(model_dir: str, jobs: int, batch: int, split: str, out: str) -> None:
+def rank_main(model_dir: str, jobs: int, batch: int, split: str, out: str, device: str) -> None:
     """One run (or one rank of it): time the workload, write figures (rank 0)."""
+    import mlx.core as mx
+
     from mlxq.engine.slots.engine import SlotEngine
+
+    if device == "cpu":  # (on a GPU host: the ranks compute on its CPU cores)
+        mx.set_default_device(mx.cpu)
 
     if "MLX_RANK" not in os.environ:
         import mlx_lm
@@ -130,10 +135,11 @@ def timed(engine, jobs: int, batch: int) -> dict:
     return {"tokens": tokens, "steps": steps, "seconds": seconds, "warm_steps": warm}
 
 
-def run(model_dir: str, ranks: int, split: str, jobs: int, batch: int, tmp: Path) -> dict:
+def run(model_dir: str, ranks: int, split: str, args: argparse.Namespace, tmp: Path) -> dict:
     out = tmp / f"r{ranks}-{split}.json"
-    cmd = [sys.executable, __file__, "--rank", model_dir, "--jobs", str(jobs)]
-    cmd += ["--batch", str(batch), "--split", split, "--out", str(out)]
+    cmd = [sys.executable, __file__, "--rank", model_dir, "--jobs", str(args.jobs)]
+    cmd += ["--batch", str(args.batch), "--split", split, "--out", str(out)]
+    cmd += ["--device", args.device]
     if ranks == 1:
         subprocess.run(cmd, check=True)
     else:
@@ -158,12 +164,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--sizes", default="1,2,3")
     parser.add_argument("--splits", default="tensor,pipeline")
+    parser.add_argument("--device", choices=["default", "cpu"], default="default")
     parser.add_argument("--rank", help=argparse.SUPPRESS)  # (a run: the model folder)
     parser.add_argument("--split", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank:
-        rank_main(args.rank, args.jobs, args.batch, args.split, args.out)
+        rank_main(args.rank, args.jobs, args.batch, args.split, args.out, args.device)
         return
     from mlxq.engine.models.make import make_model, preset_config
 
@@ -175,7 +182,7 @@ def main() -> None:
     ]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(make_model(Path(tmp) / args.preset, args.preset))
-        rows = [run(model_dir, n, split, args.jobs, args.batch, Path(tmp)) for n, split in runs]
+        rows = [run(model_dir, n, split, args, Path(tmp)) for n, split in runs]
     print(f"model {args.preset}: {json.dumps(config)}; {args.jobs} jobs, batch {args.batch}")
     print(
         "| ranks | split | gen tok/s | steps | model bytes/step | control bytes/step "
