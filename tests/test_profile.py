@@ -40,6 +40,17 @@ def test_flags_are_held_to_the_profiles_limits():
         merge(WorkerProfile(model="a"), {"prefill_step": 4})
 
 
+def test_a_split_without_hosts_is_refused(tmp_path: Path):
+    """backend and parallel only mean something with hosts: never ignored silently."""
+    with pytest.raises(ProfileError, match=r"parallel split a model over several hosts"):
+        merge(WorkerProfile(model="a"), {"parallel": "pipeline"})
+    bad = tmp_path / "split.toml"
+    bad.write_text('model = "m"\nbackend = "jaccl"\n')
+    with pytest.raises(ProfileError, match=r"split.toml.*give hosts too"):
+        load_profile(bad)
+    assert merge(WorkerProfile(model="a"), {"hosts": ["a", "b"], "parallel": "tensor"})
+
+
 def _facts(backend: str, gib: int = 16):
     from mlxq.engine.hardware import DeviceFacts
 

@@ -68,6 +68,11 @@ class WorkerProfile(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     min_model_seconds: Annotated[float, Meta(ge=0.0)] = 60.0
 
     def __post_init__(self) -> None:
+        if not self.hosts and (self.backend != "ring" or self.parallel != "auto"):
+            raise ValueError(
+                "backend and parallel split a model over several hosts: give hosts too "
+                "(--hosts A,B), or leave them out"
+            )
         if not self.models:
             return
         if len(set(self.models)) < len(self.models):

@@ -1,0 +1,156 @@
+"""Host time of the slot engine's decode step, per step and per row, at given batch sizes.
+
+On CUDA a decode step is host-bound: the next step is built and launched while the last
+one computes, so the Python the engine runs per step (bookkeeping of every row, inputs,
+launch) is the step's time. This script measures that host time on the CPU with the
+random ``tiny`` model: the main thread's CPU time (``time.thread_time``) per
+``engine.step()``, which leaves out the waits for MLX's compute (it runs on MLX's own
+threads), so the figure is the Python and launch work alone.
+
+For each ``--rows`` size it admits ``--jobs-per-row`` times as many jobs as rows (prompts
+of 16-128 random tokens, ``max_tokens`` 16-256, greedy), so rows finish at different
+steps and waiting jobs join, and runs ``engine.step()`` until all are done. It reports the
+median host ms of the steps at a full batch (at least 90% of the rows decoding), that over
+the rows (µs per row), and the mean over all steps; a joining group's prefill is left out
+(its cost grows with the group, not with the rows decoding). ``--mix F`` gives a fraction F of the jobs stop strings, F streaming,
+F logprobs; ``--profile N`` prints cProfile's top N functions (by their own time) of the
+largest size's run.
+
+``MLXQ_SLOT_OVERLAP=1`` (and ``MLXQ_SLOT_COMPILE=1``) build each step as on CUDA; the CPU
+default waits for each step before the next (``--cuda-like`` sets both).
+
+Usage: ``python bench/host_overhead.py --rows 256,1024 --cuda-like [--profile 25]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from common import fmt_num, quiet_logs, table, use_openblas
+
+
+def requests(count: int, mix: float, seed: int) -> list[Any]:
+    """``count`` greedy requests of varied prompt and output lengths (``mix``: see above)."""
+    from mlxq.wire import Request
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        extra: dict[str, Any] = {}
+        if rng.random() < mix:
+            extra["stop"] = ["never seen \u2603"]
+        if rng.random() < mix:
+            extra["stream"] = True
+        if rng.random() < mix:
+            extra["logprobs"] = 2
+        prompt = [rng.randrange(3, 250) for _ in range(rng.randint(16, 128))]
+        out.append(Request(prompt=prompt, max_tokens=rng.randint(16, 256), **extra))
+    return out
+
+
+def run(model: Any, tokenizer: Any, rows: int, args: argparse.Namespace) -> dict[str, float]:
+    """One engine of ``rows`` rows through its jobs: host ms per step (module docstring)."""
+    from mlxq.engine.sampling import EngineJob
+    from mlxq.engine.slots.engine import SlotEngine
+
+    engine = SlotEngine(model, tokenizer, "tiny", max_batch=rows, prefill_batch=args.prefill)
+    jobs = requests(rows * args.jobs_per_row, args.mix, args.seed)
+    for i, request in enumerate(jobs):
+        assert engine.add(EngineJob(f"j{i}", request)) is None
+    joins = [0.0]
+    join = engine._join
+
+    def timed_join() -> Any:
+        tic = time.thread_time()
+        try:
+            return join()
+        finally:
+            joins[0] += time.thread_time() - tic
+
+    engine._join = timed_join  # type: ignore[method-assign]
+    full, every, finished = [], [], 0
+    started = time.perf_counter()
+    while engine.active:
+        decoding, joins[0] = len(engine._rows), 0.0
+        tic = time.thread_time()
+        finished += len(engine.step())
+        host = time.thread_time() - tic - joins[0]
+        every.append(host)
+        if decoding >= 0.9 * rows:
+            full.append(host)
+    assert finished == len(jobs), f"{finished} of {len(jobs)} jobs finished"
+    median = statistics.median(full) if full else float("nan")
+    return {
+        "steps": len(every),
+        "full": len(full),
+        "ms": median * 1e3,
+        "us_row": median * 1e6 / rows,
+        "mean_ms": statistics.fmean(every) * 1e3,
+        "wall": time.perf_counter() - started,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="256,1024", help="batch sizes, comma-separated")
+    parser.add_argument("--jobs-per-row", type=int, default=3)
+    parser.add_argument("--prefill", type=int, default=64, help="the engine's prefill_batch")
+    parser.add_argument("--mix", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cuda-like", action="store_true", help="overlap and compile steps")
+    parser.add_argument("--profile", type=int, default=0, metavar="N")
+    args = parser.parse_args()
+    if args.cuda_like:
+        os.environ["MLXQ_SLOT_OVERLAP"] = os.environ["MLXQ_SLOT_COMPILE"] = "1"
+    use_openblas()
+    quiet_logs()
+    import mlx_lm
+
+    from mlxq.engine.models.make import make_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model, tokenizer = mlx_lm.load(str(make_model(Path(tmp) / "tiny", "tiny")))
+    sizes = [int(s) for s in args.rows.split(",")]
+    figures, profile = [], cProfile.Profile()
+    for rows in sizes:
+        if args.profile and rows == max(sizes):
+            profile.enable()
+        figures.append(run(model, tokenizer, rows, args))
+        profile.disable()
+    env = {k: os.environ.get(k, "-") for k in ("MLXQ_SLOT_OVERLAP", "MLXQ_SLOT_COMPILE")}
+    print(f"host time per decode step (tiny model, CPU; {env}, mix {args.mix})")
+    headers = ["rows", "steps", "full steps", "host ms/step", "µs/row", "mean ms (all)", "wall s"]
+    print(
+        table(
+            headers,
+            [
+                [
+                    str(rows),
+                    str(f["steps"]),
+                    str(f["full"]),
+                    fmt_num(f["ms"], 2),
+                    fmt_num(f["us_row"], 2),
+                    fmt_num(f["mean_ms"], 2),
+                    fmt_num(f["wall"], 1),
+                ]
+                for rows, f in zip(sizes, figures, strict=True)
+            ],
+        )
+    )
+    if args.profile:
+        print(f"\ncProfile of the {max(sizes)}-row run (with the profiler's own cost):")
+        pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(args.profile)
+
+
+if __name__ == "__main__":
+    main()
