@@ -23,14 +23,22 @@ from engine_reference import reference, run_all
 from mlxq.engine.prompts import WARMUP_KEY
 from mlxq.engine.sampling import Completion
 from mlxq.engine.slots.engine import SlotEngine
-from mlxq.wire import Request
+from mlxq.wire import JsonSchemaFormat, JsonSchemaSpec, Request
 
 MAX_BATCH = 4
 
 
 def jobs(temperature: float) -> dict[str, Request]:
-    """Ten jobs for a 4-row batch; at a temperature, every other job has no seed."""
-    out = {}
+    """Ten jobs for a 4-row batch, and one constrained to a JSON schema (its mask applied
+    where rank 0 samples); at a temperature, every other job has no seed."""
+    person = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    schema = JsonSchemaFormat(JsonSchemaSpec(schema=person, name="person", strict=True))
+    out = {"json": Request(prompt="A person:", max_tokens=40, response_format=schema, seed=7)}
     for i in range(10):
         prompt = list(range(5 + i, 5 + i + 3 + 7 * (i % 4)))
         seed = None if temperature and i % 2 else 1000 + i
@@ -68,6 +76,8 @@ def main() -> None:
         done = {k: c.token_ids for k, c in run_all(engine, todo, join_every=2).items()}
         ref = {}
         for key, r in todo.items() if not temperature else ():
+            if r.response_format is not None:
+                continue  # (mlx-lm's greedy knows no constraint)
             ref[key] = reference(model, tokenizer, engine.encode(r), r)["tokens"]
         out.write_text(json.dumps({"tokens": done, "reference": ref}))
         return

@@ -211,11 +211,16 @@ def move_rows(rows: dict[int, Row], order: list[int]) -> dict[int, Row]:
     return moved
 
 
-def relayed_step(rows: list[Row], vocab: int) -> Step:
+def relayed_step(rows: list[Row], vocab: int, hooks: list[BatchLogitsHook]) -> Step:
     """A step of a pipeline stage that does not sample: its tokens come from the rank that
     does (:meth:`~mlxq.engine.slots.engine.SlotEngine.deliver`); its logprobs are zeros
-    (that rank writes the results). The stage's forward has started its send already."""
+    (that rank writes the results). The stage's forward has started its send already.
+    The hooks still see the step (a constraint's masks, filled on the host, can find a
+    job's grammar failed: the same on every rank); their logits are never computed."""
     zeros = mx.broadcast_to(mx.array(0.0), (len(rows), vocab))  # (a view: no memory)
+    keys = [r.run.job.key for r in rows]
+    for hook in hooks:
+        hook.process(zeros, keys)
     return Step(rows, None, zeros)  # type: ignore[arg-type]
 
 

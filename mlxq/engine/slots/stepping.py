@@ -155,7 +155,7 @@ class Stepping:
         """Sample the step, or (a pipeline stage that does not sample) leave its tokens
         to be delivered."""
         if self.relayed:
-            return relayed_step(rows, self.info.vocab_size)
+            return relayed_step(rows, self.info.vocab_size, self.hooks)
         return sample_step(rows, logits, self.hooks)
 
     def _launchable(self) -> list[Row]:
