@@ -228,6 +228,36 @@ def test_a_hung_rank_0_makes_the_other_ranks_exit(
     once_each(conn, batch, n)
 
 
+@pytest.mark.slow
+def test_a_hung_rank_makes_rank_0_put_the_jobs_back(
+    tp_model: str, conn: redis.Redis, valkey_url: str, tp_worker: subprocess.Popen
+):
+    """A rank stopped mid-batch (SIGSTOP: a frozen host) fails nothing: rank 0's stall
+    watchdog puts the jobs back and the command exits non-zero, the stopped rank ended
+    with it; none is lost or run twice."""
+    n = 8
+    batch = submit(conn, n, 1500)
+    worker = tp_worker  # (started before the jobs, as users run it)
+    follower = _rank(worker.pid, 1)
+    while q.batch_status(conn, batch).started == 0:
+        assert worker.poll() is None, worker.stderr.read() if worker.stderr else ""
+        time.sleep(0.05)
+    os.kill(follower, signal.SIGSTOP)
+    stopped = time.monotonic()
+    code = worker.wait(STALL_S + 60)
+    err = worker.stderr.read() if worker.stderr else ""
+    assert code == STALLED_EXIT, err
+    assert time.monotonic() - stopped < STALL_S + 40, err
+    assert not _alive(follower), "the stopped rank was left behind"
+    status = q.batch_status(conn, batch)
+    assert status.started == 0 and status.queued + status.finished == n, (status, err)
+    done = run_mlxq(
+        "worker", "--model", tp_model, "--burst", "-q", "default", url=valkey_url, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    once_each(conn, batch, n)
+
+
 def _alive(pid: int) -> bool:
     """Whether ``pid`` still runs (a zombie whose stopped parent has not reaped it: no)."""
     try:

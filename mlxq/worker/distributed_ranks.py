@@ -171,6 +171,10 @@ def _wait(ranks: list[subprocess.Popen[bytes]], hosts: list[str]) -> int:
             proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.terminate()
-            proc.wait()
+            try:
+                proc.wait(FOLLOW_EXIT_S)
+            except subprocess.TimeoutExpired:  # (a stopped or hung rank ignores SIGTERM)
+                proc.kill()
+                proc.wait()
     codes = [p.returncode for p in ranks]
     return codes[0] if codes[0] != 0 else next((c for c in codes if c != 0), 0)
