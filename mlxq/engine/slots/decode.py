@@ -17,7 +17,9 @@ context; batch hooks advance matchers) hand the hooks the previous step's tokens
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
+from operator import attrgetter
 from typing import Any
 
 import mlx.core as mx
@@ -98,6 +100,31 @@ class Row:
     samples: Samples | None = None  # its job's samples, if it is one of several
     index: int = 0  # which sample of them
 
+    # What each step reads of its request, one attribute away (a step reads every row's).
+
+    @cached_property
+    def max_tokens(self) -> int:
+        """Its request's ``max_tokens``."""
+        return self.run.job.request.max_tokens
+
+    @cached_property
+    def stream(self) -> bool:
+        """Whether its request streams."""
+        return self.run.job.request.stream
+
+    @cached_property
+    def limit(self) -> int:
+        """Its cache length once its last token's step is launched: prefill leaves the
+        prompt less its last token in the cache, and each step launched adds one."""
+        return len(self.run.prompt) - 1 + self.max_tokens
+
+
+# Per-row reads of a whole step, in C (``map``) rather than a Python loop.
+_slot_of = attrgetter("slot")
+_processors_of = attrgetter("processors")
+_key_of = attrgetter("run.job.key")
+_sampler_of = attrgetter("sampler")
+
 
 @dataclass
 class Step:
@@ -106,12 +133,15 @@ class Step:
     rows: list[Row]
     sampled: mx.array  # [rows]
     logprobs: mx.array  # [rows, vocab]
+    _position: dict[int, int] | None = field(default=None, repr=False, compare=False)
 
     def position(self) -> dict[int, int]:
         """Row index in this step by row identity (``id``). Not by slot: a sort between
         steps moves live rows into the slots of rows that finished meanwhile, which this
         step still holds with their old slot numbers."""
-        return {id(r): i for i, r in enumerate(self.rows)}
+        if self._position is None:
+            self._position = {id(r): i for i, r in enumerate(self.rows)}
+        return self._position
 
     def picked_logprobs(
         self, tokens: list[int], live: list[tuple[int, Row]], eos: set[int]
@@ -156,10 +186,12 @@ def run_forward(
         state = DecodeState.make(lengths, GROUP_ROWS, kernel, saving)
         layers = [SlotLayer(cache, i, state) for i in range(cache.num_layers)]
         logits = model(inputs[:, None], cache=layers)[:, -1, :]
-    for r in rows:
-        cache.lengths[r.slot] += 1  # the input token is now in its cache
+    slots = list(map(_slot_of, rows))
+    held = cache.lengths
+    for slot in slots:
+        held[slot] += 1  # the input token is now in its cache
     if len(rows) < width:
-        logits = logits[mx.array([r.slot for r in rows])]
+        logits = logits[mx.array(slots)]
     return logits
 
 
@@ -183,20 +215,27 @@ def _gathered_inputs(
     cache: SlotCache, rows: list[Row], prev: Step | None, width: int
 ) -> tuple[list[int], mx.array]:
     """Each slot's length and input token (a free slot's: 0 and 0). Token ids as
-    ``uint32``, what sampling gives, so a compiled forward sees one input type."""
-    by_slot: list[Row | None] = [None] * width
+    ``uint32``, what sampling gives, so a compiled forward sees one input type.
+
+    One gather from ``prev``'s sampled tokens followed by the host tokens (a free slot
+    takes host token 0), so the rows are walked once."""
+    at = {} if prev is None else prev.position()
+    base = 0 if prev is None else len(prev.rows)
+    lengths, source, host = [0] * width, [base] * width, [0]
     for r in rows:
-        by_slot[r.slot] = r
-    lengths = [0 if r is None else cache.lengths[r.slot] for r in by_slot]
+        slot = r.slot
+        lengths[slot] = cache.lengths[slot]
+        i = at.get(id(r))
+        if i is None:
+            source[slot] = base + len(host)
+            host.append(r.next_input)
+        else:
+            source[slot] = i
     cache.reserve(max(lengths) + 1)
-    inputs = mx.array([0 if r is None else r.next_input for r in by_slot], dtype=mx.uint32)
+    tokens = mx.array(host, dtype=mx.uint32)
     if prev is not None:
-        at = prev.position()
-        carried = [r is not None and id(r) in at for r in by_slot]
-        if any(carried):
-            idx = mx.array([at[id(r)] if c else 0 for r, c in zip(by_slot, carried, strict=True)])
-            inputs = mx.where(mx.array(carried), prev.sampled[idx], inputs)
-    return lengths, inputs
+        tokens = mx.concatenate([prev.sampled, tokens])
+    return lengths, tokens[mx.array(source)]
 
 
 def move_rows(rows: dict[int, Row], order: list[int]) -> dict[int, Row]:
@@ -235,7 +274,7 @@ def sample(
     rows: list[Row], logits: mx.array, hooks: list[BatchLogitsHook]
 ) -> tuple[mx.array, mx.array]:
     """Per-row processors (needs each row's tokens on the host), hooks, then sampling."""
-    if any(r.processors for r in rows):
+    if any(map(_processors_of, rows)):
         parts = []
         for i, r in enumerate(rows):
             row = logits[i : i + 1]
@@ -245,11 +284,11 @@ def sample(
                     row = processor(context, row)
             parts.append(row)
         logits = mx.concatenate(parts, axis=0)
-    keys = [r.run.job.key for r in rows]
+    keys = list(map(_key_of, rows))
     for hook in hooks:
         logits = hook.process(logits, keys)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    samplers = [r.sampler for r in rows]
-    if all(s is samplers[0] for s in samplers):
+    samplers = list(map(_sampler_of, rows))
+    if samplers.count(samplers[0]) == len(samplers):  # (one shared sampler: greedy)
         return samplers[0](logprobs), logprobs
     return mx.concatenate([s(logprobs[i : i + 1]) for i, s in enumerate(samplers)]), logprobs

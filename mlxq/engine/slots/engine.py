@@ -56,15 +56,12 @@ from mlxq.engine.scheduler import cache_rows, grown_rows
 from mlxq.engine.slots import decode as slot_decode
 from mlxq.engine.slots.cache import SlotCache
 from mlxq.engine.slots.choices import DecodeChoices
-from mlxq.engine.slots.decode import (
-    CompiledForward,
-    Row,
-    Step,
-)
+from mlxq.engine.slots.decode import CompiledForward, Step
 from mlxq.engine.slots.joining import Joining
 from mlxq.engine.slots.joins import JoinPolicy, Waiting
 from mlxq.engine.slots.order import sorted_order
 from mlxq.engine.slots.prefix_cache import make_prefix_cache
+from mlxq.engine.slots.rows import RowTable
 from mlxq.engine.slots.samples import Samples
 from mlxq.engine.slots.stepping import Stepping
 from mlxq.engine.stats import EngineStats
@@ -134,7 +131,7 @@ class SlotEngine(Stepping, Joining):
         )
         self._eos = set(tokenizer.eos_token_ids)
         self._new_cache()
-        self._rows: dict[int, Row] = {}  # by slot
+        self._rows = RowTable()  # by slot
         self._keys: dict[str, int] = {}  # job key (a sample's key) -> slot
         self._samples: dict[str, Samples] = {}  # jobs of several samples, decoding
         self._waiting: list[Waiting] = []
@@ -322,7 +319,7 @@ class SlotEngine(Stepping, Joining):
 
     def _moved(self, order: list[int]) -> None:
         """Bookkeeping after the cache moved slot ``order[i]`` to slot ``i``."""
-        self._rows = slot_decode.move_rows(self._rows, order)
+        self._rows = RowTable(slot_decode.move_rows(self._rows, order))
         for slot, row in self._rows.items():
             self._keys[row.run.job.key] = slot
 
@@ -333,7 +330,7 @@ class SlotEngine(Stepping, Joining):
         cache = self._cache
         if not self._rows:
             return
-        need = max(cache.lengths[s] for s in self._rows) + 1
+        need = max(map(cache.lengths.__getitem__, self._rows)) + 1
         admitted = self.active
         if need <= cache.capacity and 2 * admitted >= cache.rows:
             return

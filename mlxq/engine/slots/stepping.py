@@ -33,6 +33,7 @@ from mlxq.engine.slots.decode import (
     run_forward,
     sample_step,
 )
+from mlxq.engine.slots.rows import RowTable
 from mlxq.wire import FinishReason
 
 log = logging.getLogger("mlxq.engine.slots.engine")
@@ -61,7 +62,7 @@ class Stepping:
     _forward: Any
     _stats: Any
     _eos: set[int]
-    _rows: dict[int, Row]
+    _rows: RowTable
     _chunks: list[StreamChunk]
     _inflight: Step | None
     relayed: bool
@@ -78,7 +79,7 @@ class Stepping:
         # Hooks that act need host tokens each step; an idle one (no constrained row) does not.
         hooks_act = any(getattr(h, "active", True) for h in self.hooks)
         prev, rows = self._inflight, self._launchable()
-        sync = hooks_act or any(r.processors for r in rows)
+        sync = hooks_act or (self._rows.processors > 0 and any(r.processors for r in rows))
         if prev is not None and not self.choices.overlap:
             # Wait for it (not for its bookkeeping): while a computation that reads the
             # cache is pending, the next step's writes would copy every layer's cache.
@@ -160,14 +161,10 @@ class Stepping:
 
     def _launchable(self) -> list[Row]:
         """Rows to decode next, in slot order: all but those whose step in flight gives
-        them their last token (``max_tokens``)."""
-        step = self._inflight
-        pending = set() if step is None else {id(r) for r in step.rows}
-        return [
-            r
-            for _, r in sorted(self._rows.items())
-            if len(r.run.tokens) + (id(r) in pending) < r.run.job.request.max_tokens
-        ]
+        them their last token (``max_tokens``): their cache length, one more per step
+        launched, has reached its :attr:`~Row.limit`."""
+        held = self._cache.lengths
+        return [r for r in self._rows.ordered() if held[r.slot] < r.limit]
 
     def _hand_tokens(
         self, step: Step, live: list[tuple[int, Row]] | None = None
@@ -187,7 +184,8 @@ class Stepping:
 
     def _live(self, rows: list[Row]) -> list[tuple[int, Row]]:
         """The ``rows`` (index among them, row) that still decode: not finished meanwhile."""
-        return [(i, r) for i, r in enumerate(rows) if self._rows.get(r.slot) is r]
+        row_at = self._rows.get
+        return [(i, r) for i, r in enumerate(rows) if row_at(r.slot) is r]
 
     def _collect(self, step: Step, tokens: list[int] | None = None) -> list[Completion]:
         """The step's tokens to the host, handed to the hooks (unless they have had them:
@@ -223,25 +221,26 @@ class Stepping:
             return []
         done: list[Completion] = []
         self._stats.generated_tokens += len(live)
-        lp = step.picked_logprobs(tokens, live, self._eos)
-        now = time.time()
+        # (No row asking for logprobs: no row to look at for them.)
+        lp = step.picked_logprobs(tokens, live, self._eos) if self._rows.logprobs else {}
+        now, eos = time.time(), self._eos
         for i, row in live:
             token, run = tokens[i], row.run
             if run.first_token_at is None:
                 run.first_token_at = now
             run.last_token_at = now
             reason: FinishReason | None = None
-            if token in self._eos:
+            if token in eos:
                 reason = "stop"  # EOS: not part of the output
-            elif run.add_token(token, lp.get(i)):
+            elif run.add_token(token, lp.get(i) if lp else None):
                 reason = "stop"
-            elif len(run.tokens) >= run.job.request.max_tokens:
+            elif len(run.tokens) >= row.max_tokens:
                 reason = "length"
             if reason is not None:
                 done += self._finish(row.slot, reason)
             else:
                 row.next_input = token
-                if run.job.request.stream:
+                if row.stream:
                     run.stream_update(self.tokenizer, self._chunks)
         return done
 
