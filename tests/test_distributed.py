@@ -145,18 +145,18 @@ def once_each(conn: redis.Redis, batch_id: str, n: int) -> dict[int, list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["auto", "tensor"])
-def test_a_worker_over_two_ranks_gives_the_one_process_tokens(
-    tp_model: str, conn: redis.Redis, valkey_url: str, parallel: str
+@pytest.mark.parametrize(("parallel", "ranks"), [("auto", 2), ("tensor", 2), ("auto", 3)])
+def test_a_worker_over_ranks_gives_the_one_process_tokens(
+    tp_model: str, conn: redis.Redis, valkey_url: str, parallel: str, ranks: int
 ):
     """Through the real worker: ``auto`` over ring is pipeline parallel (logged)."""
     split = submit(conn, 12, 40)
-    args = ("worker", "--model", tp_model, "--max-batch", "4", "--burst", "-q", "default")
-    hosts = ("--hosts", "127.0.0.1,127.0.0.1", "--parallel", parallel)
+    args = ("worker", "--model", tp_model, "--max-batch", "6", "--burst", "-q", "default")
+    hosts = ("--hosts", ",".join(["127.0.0.1"] * ranks), "--parallel", parallel)
     done = run_mlxq(*args, *hosts, url=valkey_url)
     assert done.returncode == 0, done.stderr[-3000:]
     chosen = "pipeline" if parallel == "auto" else "tensor"
-    assert f"{chosen} parallel over 2 ranks" in done.stderr, done.stderr[-3000:]
+    assert f"{chosen} parallel over {ranks} ranks" in done.stderr, done.stderr[-3000:]
     got = once_each(conn, split, 12)
     one = submit(conn, 12, 40)
     assert run_mlxq(*args, url=valkey_url).returncode == 0
