@@ -113,6 +113,12 @@ class Row:
         return self.run.job.request.stream
 
     @cached_property
+    def plain(self) -> bool:
+        """Whether a token of it is only appended: no stop strings to watch (their
+        detokenizer), no logprobs to keep."""
+        return self.run.detokenizer is None and self.run.logprobs is None
+
+    @cached_property
     def limit(self) -> int:
         """Its cache length once its last token's step is launched: prefill leaves the
         prompt less its last token in the cache, and each step launched adds one."""

@@ -232,9 +232,11 @@ class Stepping:
             reason: FinishReason | None = None
             if token in eos:
                 reason = "stop"  # EOS: not part of the output
-            elif run.add_token(token, lp.get(i) if lp else None):
+            elif row.plain:
+                run.tokens.append(token)  # (what add_token does for it, without the call)
+            elif run.add_token(token, lp.get(i)):
                 reason = "stop"
-            elif len(run.tokens) >= row.max_tokens:
+            if reason is None and len(run.tokens) >= row.max_tokens:
                 reason = "length"
             if reason is not None:
                 done += self._finish(row.slot, reason)
