@@ -95,18 +95,18 @@ class PipelineEngine:
         self._sent: list[weakref.ref[Any] | None] = [None] * len(engines)
         self._sent_at = time.monotonic()
         self._lost = False  # a send failed: another rank is gone
+        self._prefill_batch = engines[0].prefill_batch
 
     @property
     def prefill_batch(self) -> int:
-        """The micro-batches' prefill batch."""
-        return self.engines[0].prefill_batch
+        """The micro-batches' prefill batch (the last one set, though not yet applied)."""
+        return self._prefill_batch
 
     @property
     def active(self) -> int:
         """Rows of jobs admitted and not finished, over the micro-batches, and one per
         call not yet applied here (so that the runner steps until they are)."""
-        waiting = [*self._calls, *(c for t in self._ahead for c in t.calls)]
-        return sum(e.active for e in self.engines) + sum(_rows(c) for c in waiting)
+        return sum(e.active for e in self.engines) + sum(_rows(c) for c in self._unapplied())
 
     def __getattr__(self, name: str) -> Any:  # tokenizer, model, ... (read-only uses)
         return getattr(self.engines[0], name)
@@ -130,10 +130,16 @@ class PipelineEngine:
     def set_prefill_batch(self, n: int) -> None:
         """Resize prefill batches on every rank (from the turn that carries it)."""
         self._calls.append(PrefillBatch(n))
+        self._prefill_batch = max(1, min(n, self.engines[0].max_batch))
 
     def add(self, job: EngineJob, tokens: list[int] | None = None) -> Completion | None:
         """Queue a job for every rank (it joins a micro-batch when its turn is sent); a
-        job that cannot run comes out of :meth:`step`."""
+        job that cannot run comes out of :meth:`step`. Raises ``ValueError`` if a job
+        with the same key is already in the engine (as the slot engine does)."""
+        if any(e.holds(job.key) for e in self.engines) or any(
+            isinstance(c, Join) and c.key == job.key for c in self._unapplied()
+        ):
+            raise ValueError(f"job {job.key} is already in the engine")
         job = seeded(job)
         self._calls.append(Join(-1, job.key, job.request, tokens and list(tokens)))
         return None
@@ -169,6 +175,10 @@ class PipelineEngine:
             except RuntimeError as e:
                 log.warning("could not tell the other ranks to close: %s", e)
         _close(self.engines)
+
+    def _unapplied(self) -> list[Call]:
+        """Calls not yet applied here: queued, or sent with a turn still ahead."""
+        return [*self._calls, *(c for t in self._ahead for c in t.calls)]
 
     def _send_turn(self) -> None:
         """The next turn: the calls queued so far (each job placed in the micro-batch

@@ -189,7 +189,7 @@ class SlotEngine(Stepping, Joining):
 
         Raises ``ValueError`` if a job with the same key is already in the engine.
         """
-        if job.key in self._keys or job.key in self._waiting_keys or job.key in self._samples:
+        if self.holds(job.key):
             raise ValueError(f"job {job.key} is already in the engine")
         now = time.time()
         try:
@@ -211,6 +211,10 @@ class SlotEngine(Stepping, Joining):
         self._waiting.append(Waiting(run, since_step=self._steps, rows=job.request.n))
         self._waiting_keys.add(job.key)
         return None
+
+    def holds(self, key: str) -> bool:
+        """Whether a job of this key is in the engine (waiting or decoding)."""
+        return key in self._keys or key in self._waiting_keys or key in self._samples
 
     def cancel(self, key: str) -> Completion | None:
         """Remove a job at once: a "cancelled" Completion, or None if unknown."""
