@@ -69,3 +69,12 @@ def test_the_prefill_batch_reads_as_set_before_it_is_applied(engine: PipelineEng
     while engine.active:
         engine.step()
     assert all(e.prefill_batch == 1 for e in engine.engines)
+
+
+def test_samples_beyond_a_micro_batch_are_refused_with_the_batch_that_holds_them(
+    engine: PipelineEngine,
+):
+    failed = engine.add(EngineJob("n", Request(prompt=[5, 6], max_tokens=4, n=3)))
+    assert failed is not None and failed.finish_reason == "error"
+    assert "hold 2 each" in (failed.error or "") and "--max-batch 6" in (failed.error or "")
+    assert engine.active == 0  # (nothing sent for it)

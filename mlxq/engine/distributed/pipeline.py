@@ -140,6 +140,15 @@ class PipelineEngine:
             isinstance(c, Join) and c.key == job.key for c in self._unapplied()
         ):
             raise ValueError(f"job {job.key} is already in the engine")
+        rows, parts = self.engines[0].max_batch, len(self.engines)
+        if (n := job.request.n) > rows:  # (a job's samples share one micro-batch)
+            now = time.time()
+            why = (
+                f"n = {n} samples take {n} rows of one micro-batch, and this pipeline's "
+                f"{parts} micro-batches hold {rows} each; lower n or run the worker with "
+                f"--max-batch {n * parts}"
+            )
+            return Completion(job.key, "error", error=why, admitted_at=now, finished_at=now)
         job = seeded(job)
         self._calls.append(Join(-1, job.key, job.request, tokens and list(tokens)))
         return None
