@@ -175,27 +175,15 @@ def test_a_killed_rank_puts_the_jobs_back(
     batch = submit(conn, n, 1500)  # (long enough to be running when the rank dies; if
     # some finish first, they must keep their one result all the same)
     worker = tp_worker  # (started before the jobs, as users run it)
-    follower = _rank(worker.pid, 1)
-    while q.batch_status(conn, batch).started == 0:  # (jobs in the batch)
-        assert worker.poll() is None, worker.stderr.read() if worker.stderr else ""
-        time.sleep(0.05)
-    os.kill(follower, signal.SIGKILL)
+    _signal_mid_batch(conn, batch, worker, 1, signal.SIGKILL)
     started = time.monotonic()
-    code = worker.wait(STALL_S + GRACE_S + 30)
-    err = worker.stderr.read() if worker.stderr else ""
+    code, err = _jobs_back_on_exit(conn, batch, n, worker, started)
     # MLX's ring fails the collective of a lost peer at once, or at times hangs in it
     # (then the stall watchdog ends it): non-zero within the stall timeout, either way.
     assert code in (1, STALLED_EXIT), err
-    assert time.monotonic() - started < STALL_S + GRACE_S, err
     # The MLX thread's error is logged with its traceback; the command ends in one line.
     assert err.count("Traceback") == err.count("MLX thread stopped on an unexpected error"), err
-    status = q.batch_status(conn, batch)
-    assert status.started == 0 and status.queued + status.finished == n, (status, err)
-    done = run_mlxq(
-        "worker", "--model", tp_model, "--burst", "-q", "default", url=valkey_url, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    once_each(conn, batch, n)  # (none lost, none run twice)
+    _run_elsewhere(tp_model, conn, valkey_url, batch, n)  # (none lost, none run twice)
 
 
 @pytest.mark.slow
@@ -208,11 +196,8 @@ def test_a_hung_rank_0_makes_the_other_ranks_exit(
     n = 8
     batch = submit(conn, n, 1500)
     worker = tp_worker  # (started before the jobs, as users run it)
-    leader, follower = _rank(worker.pid, 0), _rank(worker.pid, 1)
-    while q.batch_status(conn, batch).started == 0:
-        assert worker.poll() is None, worker.stderr.read() if worker.stderr else ""
-        time.sleep(0.05)
-    os.kill(leader, signal.SIGSTOP)
+    follower = _rank(worker.pid, 1)
+    leader = _signal_mid_batch(conn, batch, worker, 0, signal.SIGSTOP)
     stopped = time.monotonic()
     try:
         while _alive(follower):
@@ -225,11 +210,7 @@ def test_a_hung_rank_0_makes_the_other_ranks_exit(
     err = worker.stderr.read() if worker.stderr else ""
     assert code in (1, STALLED_EXIT), err
     assert "no word from rank 0" in err, err
-    done = run_mlxq(
-        "worker", "--model", tp_model, "--burst", "-q", "default", url=valkey_url, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    once_each(conn, batch, n)
+    _run_elsewhere(tp_model, conn, valkey_url, batch, n)
 
 
 @pytest.mark.slow
@@ -242,19 +223,41 @@ def test_a_hung_rank_makes_rank_0_put_the_jobs_back(
     n = 8
     batch = submit(conn, n, 1500)
     worker = tp_worker  # (started before the jobs, as users run it)
-    follower = _rank(worker.pid, 1)
+    follower = _signal_mid_batch(conn, batch, worker, 1, signal.SIGSTOP)
+    stopped = time.monotonic()
+    code, err = _jobs_back_on_exit(conn, batch, n, worker, stopped)
+    assert code == STALLED_EXIT, err
+    assert not _alive(follower), "the stopped rank was left behind"
+    _run_elsewhere(tp_model, conn, valkey_url, batch, n)
+
+
+def _signal_mid_batch(
+    conn: redis.Redis, batch: str, worker: subprocess.Popen, rank: int, sig: int
+) -> int:
+    """Send ``sig`` to ``rank`` of the worker once the batch's jobs run; its pid."""
+    pid = _rank(worker.pid, rank)
     while q.batch_status(conn, batch).started == 0:
         assert worker.poll() is None, worker.stderr.read() if worker.stderr else ""
         time.sleep(0.05)
-    os.kill(follower, signal.SIGSTOP)
-    stopped = time.monotonic()
+    os.kill(pid, sig)
+    return pid
+
+
+def _jobs_back_on_exit(
+    conn: redis.Redis, batch: str, n: int, worker: subprocess.Popen, since: float
+) -> tuple[int, str]:
+    """The worker's exit status and stderr, once it ended by itself within the stall
+    timeout and its grace of ``since``, every job of the batch queued or finished."""
     code = worker.wait(STALL_S + GRACE_S + 30)
     err = worker.stderr.read() if worker.stderr else ""
-    assert code == STALLED_EXIT, err
-    assert time.monotonic() - stopped < STALL_S + GRACE_S, err
-    assert not _alive(follower), "the stopped rank was left behind"
+    assert time.monotonic() - since < STALL_S + GRACE_S, err
     status = q.batch_status(conn, batch)
     assert status.started == 0 and status.queued + status.finished == n, (status, err)
+    return code, err
+
+
+def _run_elsewhere(tp_model: str, conn: redis.Redis, valkey_url: str, batch: str, n: int):
+    """A one-process worker finishes the batch: each job has exactly one result."""
     done = run_mlxq(
         "worker", "--model", tp_model, "--burst", "-q", "default", url=valkey_url, timeout=300
     )

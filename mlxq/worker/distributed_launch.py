@@ -40,7 +40,7 @@ from mlxq.engine.protocol import BatchEngine
 from mlxq.engine.slots.engine import SlotEngine
 from mlxq.errors import StartupError, one_line
 from mlxq.worker.config import resolve
-from mlxq.worker.launch import Setup, engine_for, run_worker
+from mlxq.worker.launch import Setup, engine_for, engine_sizes, run_worker
 from mlxq.worker.profile import STALL_TIMEOUT_S, WorkerProfile
 
 log = logging.getLogger("mlxq.worker.distributed")
@@ -116,19 +116,12 @@ def micro_batches(
 ) -> list[SlotEngine]:
     """A stage's engines, one per micro-batch, sharing the batch and prefix cache sizes;
     ``samples``: rank 0's, whose stage samples."""
+    sizes = engine_sizes(options)  # type: ignore[arg-type]
+    sizes["max_batch"] = -(-options.engine_max_batch // size)
+    sizes["prefix_cache_bytes"] = options.prefix_cache_bytes // size
     engines = []
     for _ in range(size):
-        engine = SlotEngine(
-            loaded,  # type: ignore[arg-type]
-            tokenizer,
-            options.model,
-            max_batch=-(-options.engine_max_batch // size),
-            prefill_batch=options.prefill_batch,
-            prefill_step=options.prefill_step,
-            prefill_tokens=options.prefill_tokens if options.auto_prefill else None,
-            prefix_cache_bytes=options.prefix_cache_bytes // size,
-            kv_bits=options.kv_bits,
-        )
+        engine = SlotEngine(loaded, tokenizer, options.model, **sizes)  # type: ignore[arg-type]
         engine.as_stage(samples)
         engines.append(engine)
     return engines

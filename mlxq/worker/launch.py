@@ -91,20 +91,23 @@ def engine_for(
     engine where the model's cache allows (``engine`` overrides, see
     :mod:`mlxq.engine.factory`)."""
     made = make_engine(
-        loaded,
-        tokenizer,
-        config.model,
-        engine=engine or config.engine,
-        # The engine's own cap stays as before; the scheduler admits config.max_batch.
-        max_batch=config.engine_max_batch,
-        prefill_batch=config.prefill_batch,
-        prefill_step=config.prefill_step,
-        prefill_tokens=config.prefill_tokens if config.auto_prefill else None,
-        prefix_cache_bytes=config.prefix_cache_bytes,
-        kv_bits=config.kv_bits,
+        loaded, tokenizer, config.model, engine=engine or config.engine, **engine_sizes(config)
     )
     made.warmup()
     return made
+
+
+def engine_sizes(config: WorkerConfig) -> dict[str, Any]:
+    """The engine options a configuration sets (a pipeline divides some by its ranks)."""
+    return {
+        # The engine's own cap stays as before; the scheduler admits config.max_batch.
+        "max_batch": config.engine_max_batch,
+        "prefill_batch": config.prefill_batch,
+        "prefill_step": config.prefill_step,
+        "prefill_tokens": config.prefill_tokens if config.auto_prefill else None,
+        "prefix_cache_bytes": config.prefix_cache_bytes,
+        "kv_bits": config.kv_bits,
+    }
 
 
 def build_scheduler(config: WorkerConfig, log_sizing: bool = True) -> Scheduler:
