@@ -366,10 +366,14 @@ def test_decode_kernels_agree_and_free_rows_stay_finite() -> None:
     assert own16.dtype == mx.bfloat16 and not mx.isnan(own16).any().item()
     fused16 = fused_decode(q16[:4], k16[:4], v16[:4], dim**-0.5, mask[:4])
     assert mx.allclose(own16[:4], fused16, atol=2e-2).item()
-    assert choose_kernel("cuda")[0] == "gqa" and choose_kernel("metal")[0] == "fused"
+    cuda = "ragged" if mx.cuda.is_available() else "gqa"  # (its kernel needs a GPU)
+    assert choose_kernel("cuda")[0] == cuda and choose_kernel("metal")[0] == "fused"
+    assert choose_kernel("cuda", head_dim=48)[0] == "gqa"  # (heads it cannot run)
     assert choose_kernel("cpu")[0] == "gqa"
     with pytest.raises(ValueError, match="gqa"):
         choose_kernel("cpu", "flash")
+    with pytest.raises(ValueError, match="needs CUDA and heads of a multiple of 64"):
+        choose_kernel("cpu", "ragged")
 
 
 @pytest.mark.parametrize("compiled", ["0", "1"])

@@ -1,6 +1,6 @@
 """Decode attention over slots: one query per row, keys up to each row's own length.
 
-Two kernels compute the same thing, ``softmax(q K^T * scale + mask) V`` for queries of
+Three kernels compute the same thing, ``softmax(q K^T * scale + mask) V`` for queries of
 shape ``[rows, q_heads, 1, head_dim]`` and keys/values ``[rows, kv_heads, span, head_dim]``,
 where ``mask`` (``[rows, 1, 1, span]``, bool) marks each row's valid positions:
 
@@ -12,31 +12,41 @@ where ``mask`` (``[rows, 1, 1, span]``, bool) marks each row's valid positions:
   faster there (issue 14).
 - ``"fused"``: ``mx.fast.scaled_dot_product_attention`` with the bool mask; Metal's vector
   kernel takes array masks at full speed.
+- ``"ragged"``: mlxq's CUDA kernel (:mod:`~mlxq.engine.slots.ragged_attention`), which
+  reads only unmasked positions in one launch a layer: the CUDA default where the head
+  size is a multiple of 64 (1.8x faster attention than ``gqa`` on the H200 at 1,024 rows
+  of varied lengths, 1.13-1.26x the gen tok/s end to end, bench/RESULTS.md).
 
 A quantized slot cache (``kv_bits``) always uses :func:`quantized_decode`, the first
 kernel over ``mx.quantized_matmul``.
 
 :func:`choose_kernel` picks one per backend once at start (``MLXQ_DECODE_ATTENTION``
-overrides: ``gqa``, ``gqa-compiled`` or ``fused``) and the engine logs the choice.
+overrides: ``gqa``, ``gqa-compiled``, ``fused`` or ``ragged``) and the engine logs the choice.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable
 
 import mlx.core as mx
 
 from mlxq.engine.scheduler import kv_group_size
+from mlxq.engine.slots import ragged_attention
+from mlxq.engine.slots.ragged_attention import ragged_decode
+
+log = logging.getLogger("mlxq.engine.slots.engine")
 
 # (queries, keys, values, scale, mask): keys and values are arrays, or quantized parts.
 Kernel = Callable[..., mx.array]
 KERNEL_ENV = "MLXQ_DECODE_ATTENTION"
-# Per backend: CUDA's fused kernel is slow with array masks; Metal's is not (its vector
-# kernel takes them). On the CPU the grouped one measured 1.09-1.29x faster end to end
-# (cpu-small, batch 32, varied outputs; 1.08x on their uniform twin).
-DEFAULT_KERNEL = {"cuda": "gqa", "metal": "fused", "cpu": "gqa"}
+# Per backend: CUDA's fused kernel is slow with array masks (mlxq's ragged one reads only
+# each row's positions); Metal's takes them at full speed (its vector kernel). On the CPU
+# the grouped one measured 1.09-1.29x faster end to end (cpu-small, batch 32, varied
+# outputs; 1.08x on their uniform twin).
+DEFAULT_KERNEL = {"cuda": "ragged", "metal": "fused", "cpu": "gqa"}
 _MASKED = -1e30  # finite, so exp() underflows to 0 without inf - inf = NaN
 
 
@@ -93,24 +103,56 @@ def fused_decode(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.a
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
+def ragged_or_gqa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array) -> mx.array:
+    """The ragged kernel, or :func:`gqa_decode` for a model whose group of query heads per
+    KV head is too wide for one of its blocks (logged once)."""
+    group, dim = q.shape[1] // k.shape[1], q.shape[-1]
+    if ragged_attention.fits(group, dim):
+        return ragged_decode(q, k, v, scale, mask)
+    _too_wide(group, dim)
+    return gqa_decode(q, k, v, scale, mask)
+
+
+@functools.cache
+def _too_wide(group: int, dim: int) -> None:
+    log.warning(
+        "the ragged decode attention cannot hold %d query heads of %d values per KV head: "
+        "this model attends with gqa",
+        group,
+        dim,
+    )
+
+
 KERNELS: dict[str, Kernel] = {
     "gqa": gqa_decode,
     # The same, through mx.compile (fuses the cast, scale and mask into one kernel; traced
     # once per shape): an option to measure, not a default.
     "gqa-compiled": mx.compile(gqa_decode),
     "fused": fused_decode,
+    "ragged": ragged_or_gqa,
 }
 
 
-def choose_kernel(backend: str, override: str | None = None) -> tuple[str, Kernel]:
+def choose_kernel(
+    backend: str, override: str | None = None, head_dim: int = 64
+) -> tuple[str, Kernel]:
     """The decode attention for this backend: ``override``, else the environment, else
-    :data:`DEFAULT_KERNEL`. Raises ``ValueError`` for an unknown name."""
-    name = override or os.environ.get(KERNEL_ENV) or DEFAULT_KERNEL.get(backend, "fused")
+    :data:`DEFAULT_KERNEL` (``gqa`` where ``ragged`` cannot run heads of ``head_dim``).
+    Raises ``ValueError`` for an unknown name, or ``ragged`` asked for where it cannot run."""
+    asked = override or os.environ.get(KERNEL_ENV)
+    name = asked or DEFAULT_KERNEL.get(backend, "fused")
     if name not in KERNELS:
         raise ValueError(
             f"unknown decode attention {name!r} (from {KERNEL_ENV} or the engine options): "
             f"choose one of {', '.join(KERNELS)}"
         )
+    if name == "ragged" and not (backend == "cuda" and ragged_attention.supported(head_dim)):
+        if asked:
+            raise ValueError(
+                f"the ragged decode attention needs CUDA and heads of a multiple of 64 "
+                f"values (this model's have {head_dim}, on {backend}): choose gqa or fused"
+            )
+        name = "gqa"
     return name, KERNELS[name]
 
 

@@ -79,7 +79,7 @@ class DecodeChoices:
     ) -> DecodeChoices:
         """The choices for ``info``'s model on ``backend``; raises ``ValueError`` for an
         unknown attention or a cache that cannot be quantized as asked."""
-        name, kernel = choose_kernel(backend, attention)
+        name, kernel = choose_kernel(backend, attention, info.head_dim)
         group = 64
         if kv_bits is not None:
             group, kernel = quantized_kernel(kv_bits, info.head_dim)

@@ -1,0 +1,197 @@
+"""Where a wide decode step's device time goes, and its floor (issue 29's H200 target).
+
+For each ``--rows``, one decode step of the preset's shape is cut into its parts, each
+timed alone on the device (random bf16 weights and cache; the median of ``--repeat``
+evaluations after a warm-up):
+
+- ``matmuls``: every layer's projections (q/k/v and gate/up fused, as the CUDA default
+  runs them), no attention;
+- ``lm head``: the ``[rows, hidden] @ [hidden, vocab]`` logits;
+- ``attention``: the decode attention kernel (``--attention``: ``gqa``, mlxq's grouped
+  one, or ``ragged``, its CUDA kernel) over ``--span`` positions, each row masked to a
+  length drawn around ``--mean-length``, every layer;
+- ``sampling``: greedy argmax and the logsumexp a logprob needs, over the logits;
+- ``step``: the whole compiled decode step as the engine runs it, steps launched back
+  to back without waiting (the engine's overlap), so its time is the larger of the
+  host's launch and the device's work.
+
+Each part is launched ``--chain`` times in one evaluation so that the device, not the
+host's launch, sets its time. ``floor`` adds the parts: the device time of a step with
+no host cost at all. Also measured: a large matmul's TFLOP/s and a copy's bandwidth
+(the device's own ceilings), and the step's ideal time at those rates (its FLOPs, its
+weights and the KV it reads at ``--mean-length`` per row).
+
+Usage: ``python bench/step_floor.py --preset llama-3.2-1b --rows 256,512,1024 --span 384``
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from common import describe_device, fmt_num, table, use_openblas
+
+
+def timed(build: Callable[[], Any], repeat: int, chain: int) -> float:
+    """Median seconds of one ``build()`` (its graph launched ``chain`` times per eval)."""
+    import mlx.core as mx
+
+    mx.eval([build() for _ in range(chain)])
+    times = []
+    for _ in range(repeat):
+        tic = time.perf_counter()
+        mx.eval([build() for _ in range(chain)])
+        times.append((time.perf_counter() - tic) / chain)
+    return statistics.median(times)
+
+
+def ceilings(repeat: int) -> tuple[float, float]:
+    """(bf16 matmul TFLOP/s, copy GB/s) measured on this device."""
+    import mlx.core as mx
+
+    n = 8192 if mx.default_device() == mx.gpu else 256
+    a, b = (mx.random.normal((n, n)).astype(mx.bfloat16) for _ in range(2))
+    big = mx.random.normal((4 * n * n,)).astype(mx.bfloat16)  # 512 MiB on a GPU
+    mx.eval(a, b, big)
+    mm = timed(lambda: a @ b, repeat, 4)
+    cp = timed(lambda: big + 1, repeat, 4)  # reads and writes every byte once
+    return 2 * n**3 / mm / 1e12, 2 * big.nbytes / cp / 1e9
+
+
+def parts(
+    cfg: dict[str, Any], rows: int, span: int, mean: int, kernel: str, repeat: int, chain: int
+) -> dict[str, float]:
+    """Milliseconds of each part of one step of ``rows`` rows (module docstring)."""
+    import mlx.core as mx
+
+    from mlxq.engine.slots.attention import KERNELS
+
+    bf = mx.bfloat16
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    qh, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim", h // qh)
+    rnd = lambda *shape: (mx.random.normal(shape) * 0.02).astype(bf)  # noqa: E731
+    weights = [
+        (rnd((qh + 2 * kvh) * hd, h), rnd(h, qh * hd), rnd(2 * inter, h), rnd(h, inter))
+        for _ in range(layers)
+    ]
+    head = rnd(cfg["vocab_size"], h)
+    x, xi, xq = rnd(rows, h), rnd(rows, inter), rnd(rows, qh * hd)
+    q = rnd(rows, qh, 1, hd)
+    kv = [(rnd(rows, kvh, span, hd), rnd(rows, kvh, span, hd)) for _ in range(layers)]
+    lengths = mx.minimum(mx.random.randint(1, 2 * mean, (rows,)), span)
+    mask = (mx.arange(span)[None] < lengths[:, None])[:, None, None, :]
+    logits = rnd(rows, cfg["vocab_size"])
+    mx.eval(weights, head, x, xi, xq, q, kv, mask, logits)
+
+    def matmuls() -> list[Any]:
+        return [(x @ a.T, xq @ o.T, x @ g.T, xi @ d.T) for a, o, g, d in weights]
+
+    def attention() -> list[Any]:
+        return [KERNELS[kernel](q, k, v, hd**-0.5, mask) for k, v in kv]
+
+    def sampling() -> list[Any]:
+        return [mx.argmax(logits, axis=-1), mx.logsumexp(logits.astype(mx.float32), axis=-1)]
+
+    out = {
+        "matmuls": timed(matmuls, repeat, chain),
+        "lm head": timed(lambda: x @ head.T, repeat, chain),
+        "attention": timed(attention, repeat, chain),
+        "sampling": timed(sampling, repeat, chain),
+    }
+    return {k: v * 1e3 for k, v in out.items()}
+
+
+def engine_step(model: Any, rows: int, span: int, mean: int, kernel: str, steps: int) -> float:
+    """Milliseconds per compiled decode step over ``rows`` rows of ~``mean`` tokens,
+    ``steps`` launched back to back (each feeding the next, no host wait)."""
+    import mlx.core as mx
+
+    from mlxq.engine.hardware import backend_name
+    from mlxq.engine.models import fused_projections, mlx_lm_seam
+    from mlxq.engine.models.facts import model_info
+    from mlxq.engine.models.fused_projections import fuse_projections
+    from mlxq.engine.slots.attention import KERNELS
+    from mlxq.engine.slots.cache import SlotCache
+    from mlxq.engine.slots.decode import CompiledForward
+
+    mlx_lm_seam.install(model)
+    fuse_projections(model, fused_projections.wanted(backend_name()))  # (as the engine runs)
+    cache = SlotCache(len(model.layers), rows)
+    info = model_info(model, "step", vocab_size=1)
+    shape = (rows, info.num_kv_heads, span, info.head_dim)
+    dtype = getattr(mx, info.dtype)
+    cache.keys = [mx.zeros(shape, dtype=dtype) for _ in model.layers]
+    cache.values = [mx.zeros(shape, dtype=dtype) for _ in model.layers]
+    cache.capacity = span
+    mx.eval(cache.keys, cache.values)
+    forward = CompiledForward(model, cache, KERNELS[kernel])
+    tokens = mx.zeros((rows,), dtype=mx.uint32)
+    positions = mx.minimum(mx.random.randint(0, 2 * mean, (rows,)), span - 1)
+
+    def run(n: int) -> float:
+        nonlocal tokens
+        tic = time.perf_counter()
+        for _ in range(n):
+            tokens = mx.argmax(forward(tokens, positions), axis=-1).astype(mx.uint32)
+            mx.async_eval(tokens)
+        mx.eval(tokens)
+        return (time.perf_counter() - tic) / n
+
+    run(3)
+    return run(steps) * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    use_openblas()
+    from mlxq.engine.models.make import PRESETS, build_model
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="llama-3.2-1b", choices=sorted(PRESETS))
+    ap.add_argument("--rows", default="256,512,1024", help="comma-separated batch sizes")
+    ap.add_argument("--span", type=int, default=384, help="cache positions attended per row")
+    ap.add_argument("--mean-length", type=int, default=200, help="mean tokens a row holds")
+    ap.add_argument("--attention", default="gqa", help="the decode attention kernel")
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--chain", type=int, default=4, help="launches of a part per evaluation")
+    ap.add_argument("--steps", type=int, default=40, help="engine steps timed back to back")
+    args = ap.parse_args(argv)
+    cfg = PRESETS[args.preset]
+    print(describe_device(), file=sys.stderr)
+    tflops, gbs = ceilings(args.repeat)
+    model, _ = build_model(args.preset)
+    h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    params = sum(v.size for _, v in _leaves(model)) - vocab * h  # (the embedding is read by row)
+    kv_token = 2 * layers * cfg["num_key_value_heads"] * cfg.get("head_dim", 64) * 2
+    head = ["rows", "matmuls", "lm head", "attention", "sampling", "floor", "step", "ideal"]
+    out = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        p = parts(cfg, rows, args.span, args.mean_length, args.attention, args.repeat, args.chain)
+        step = engine_step(model, rows, args.span, args.mean_length, args.attention, args.steps)
+        flop_ms = 2 * params * rows / (tflops * 1e12) * 1e3
+        byte_ms = (2 * params + rows * args.mean_length * kv_token) / (gbs * 1e9) * 1e3
+        ideal = max(flop_ms, byte_ms)
+        out.append([f"{rows:,}", *(fmt_num(p[k], 2) for k in head[1:5]),
+                    fmt_num(sum(p.values()), 2), fmt_num(step, 2), fmt_num(ideal, 2)])  # fmt: skip
+    print(
+        f"{args.preset}: {layers} layers, hidden {h}, vocab {vocab:,}, bf16; span {args.span}, "
+        f"{args.attention} attention; "
+        f"ideal at {tflops:.0f} TFLOP/s and {gbs:,.0f} GB/s (KV {args.mean_length} a row)"
+    )
+    print("milliseconds per decode step:")
+    print(table(head, out))
+    return 0
+
+
+def _leaves(model: Any) -> list[tuple[str, Any]]:
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(model.parameters())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
