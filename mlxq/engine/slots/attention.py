@@ -14,8 +14,8 @@ where ``mask`` (``[rows, 1, 1, span]``, bool) marks each row's valid positions:
   kernel takes array masks at full speed.
 - ``"ragged"``: mlxq's CUDA kernel (:mod:`~mlxq.engine.slots.ragged_attention`), which
   reads only unmasked positions in one launch a layer: the CUDA default where the head
-  size is a multiple of 64 (1.8x faster attention than ``gqa`` on the H200 at 1,024 rows
-  of varied lengths, 1.13-1.26x the gen tok/s end to end, bench/RESULTS.md).
+  size is a multiple of 64 (about 2x faster attention than ``gqa`` on the H200 at 1,024
+  rows of varied lengths; bench/RESULTS.md).
 
 A quantized slot cache (``kv_bits``) always uses :func:`quantized_decode`, the first
 kernel over ``mx.quantized_matmul``.

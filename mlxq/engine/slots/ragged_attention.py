@@ -8,10 +8,11 @@ position before loading its key and value, so a step reads what the rows hold, a
 as one launch a layer instead of the five of :func:`~mlxq.engine.slots.attention.gqa_decode`
 (the host's launches are most of a CUDA step).
 
-One thread block per (row, KV head) scores a chunk of positions at a time, one thread a
-position, for all the query heads that share the KV head; an online softmax in float32
-carries the maxima from chunk to chunk; then each thread adds the chunk's weighted values
-into two dims of one head. A chunk with no unmasked position is skipped, so a prefix mask
+One block of 128 threads per (row, KV head) scores a chunk of positions at a time, one
+thread a position, for all the query heads that share the KV head; an online softmax in
+float32 carries the maxima from chunk to chunk; then the warps split the chunk's
+positions, each lane adding its share of every head's weighted values (a value row is
+read once per block). A chunk with no unmasked position is skipped, so a prefix mask
 costs what the row holds. The mask is read as given (any pattern, not only a prefix).
 Needs CUDA and a head size that is a multiple of 64.
 """
@@ -41,32 +42,35 @@ template <> __device__ __forceinline__ float2 load2<__nv_bfloat16>(const __nv_bf
 }
 """
 
-# One block per (row, KV head) of G * D / 2 threads. A chunk of as many positions at a
-# time: each thread scores one position for every query head of the group (its key read
-# whole), the block's maxima update the running softmax, then each thread adds the chunk's
-# weighted values to two output dims of one head. A chunk without an unmasked position
-# is skipped whole; the values are read only up to the chunk's last unmasked position.
+# One block of 128 threads per (row, KV head), a chunk of 128 positions at a time: each
+# thread scores one position for every query head of the group (its key read whole), the
+# block's maxima update the running softmax, then the warps split the chunk's positions
+# and each lane adds its head_dim / 32 dims of the weighted values for every head (a value
+# row is read once per block); the warps' sums are merged at the end. A chunk without an
+# unmasked position is skipped whole; values are read up to its last unmasked one.
 _SOURCE = """
-    constexpr int NT = G * D / 2;
-    constexpr int NW = (NT + 31) / 32;
+    constexpr int NT = 128, NW = 4, E = D / 32;
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
     const int row = blockIdx.x / KVH, h = blockIdx.x % KVH;
     const int span = k_shape[2];
     __shared__ __align__(16) float qs[G][D];
-    __shared__ float ps[G][NT];
+    __shared__ float ps[NT][G];
     __shared__ float red[G][NW];
     __shared__ int ends[NW];
+    __shared__ float sa[NW][G][D];
     for (int i = t; i < G * D; i += NT) {
         const int g = i / D, d = i % D;
         qs[g][d] = static_cast<float>(
             q[row * q_strides[0] + (h * G + g) * q_strides[1] + d * q_strides[3]]);
     }
-    const int og = t / (D / 2), od = 2 * (t % (D / 2));
-    float run[G], part[G];
-    for (int g = 0; g < G; ++g) { run[g] = -1e30f; part[g] = 0.f; }
-    float acc0 = 0.f, acc1 = 0.f;
+    float run[G], part[G], acc[G][E];
+    for (int g = 0; g < G; ++g) {
+        run[g] = -1e30f;
+        part[g] = 0.f;
+        for (int e = 0; e < E; ++e) acc[g][e] = 0.f;
+    }
     const T* kb = k + row * k_strides[0] + h * k_strides[1];
-    const T* vb = v + row * v_strides[0] + h * v_strides[1] + od;
+    const T* vb = v + row * v_strides[0] + h * v_strides[1] + lane * E;
     const bool* mb = mask + row * mask_strides[0];
     __syncthreads();
     for (int c0 = 0; c0 < span; c0 += NT) {
@@ -98,24 +102,28 @@ _SOURCE = """
         int last = 0;
         for (int w = 0; w < NW; ++w) last = max(last, ends[w]);
         if (last > 0) {
-            float corr[G];
             for (int g = 0; g < G; ++g) {
                 float top = run[g];
                 for (int w = 0; w < NW; ++w) top = fmaxf(top, red[g][w]);
-                corr[g] = __expf(run[g] - top);
+                const float corr = __expf(run[g] - top);
                 run[g] = top;
                 const float e = valid ? __expf(s[g] - top) : 0.f;
-                ps[g][t] = e;
-                part[g] = part[g] * corr[g] + e;
+                ps[t][g] = e;
+                part[g] = part[g] * corr + e;
+                for (int i = 0; i < E; ++i) acc[g][i] *= corr;
             }
             __syncthreads();
-            acc0 *= corr[og];
-            acc1 *= corr[og];
-            for (int j = 0; j < last - c0; ++j) {
-                const float w = ps[og][j];
-                const float2 x = load2(vb + (c0 + j) * v_strides[2]);
-                acc0 += w * x.x;
-                acc1 += w * x.y;
+            for (int j = warp; j < last - c0; j += NW) {
+                float x[E];
+                for (int e = 0; e < E; e += 2) {
+                    const float2 y = load2(vb + (c0 + j) * v_strides[2] + e);
+                    x[e] = y.x;
+                    x[e + 1] = y.y;
+                }
+                for (int g = 0; g < G; ++g) {
+                    const float w = ps[j][g];
+                    for (int e = 0; e < E; ++e) acc[g][e] += w * x[e];
+                }
             }
         }
         __syncthreads();
@@ -124,21 +132,25 @@ _SOURCE = """
         float x = part[g];
         for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffff, x, off);
         if (lane == 0) red[g][warp] = x;
+        for (int e = 0; e < E; ++e) sa[warp][g][lane * E + e] = acc[g][e];
     }
     __syncthreads();
-    float total = 0.f;
-    for (int w = 0; w < NW; ++w) total += red[og][w];
-    const float inv = total > 0.f ? 1.f / total : 0.f;
-    T* o = out + ((row * KVH + h) * G + og) * D + od;
-    o[0] = static_cast<T>(acc0 * inv);
-    o[1] = static_cast<T>(acc1 * inv);
+    for (int i = t; i < G * D; i += NT) {
+        const int g = i / D, d = i % D;
+        float total = 0.f, o = 0.f;
+        for (int w = 0; w < NW; ++w) {
+            total += red[g][w];
+            o += sa[w][g][d];
+        }
+        out[((row * KVH + h) * G + g) * D + d] = static_cast<T>(total > 0.f ? o / total : 0.f);
+    }
 """
 
 _kernel = None
 
 
-# A block's threads and its static shared memory (queries and one chunk's weights).
-MAX_THREADS, MAX_SHARED = 1024, 48 * 1024
+THREADS = 128  # a block's (the kernel's NT)
+MAX_SHARED = 48 * 1024  # a block's static shared memory
 
 
 def supported(head_dim: int) -> bool:
@@ -147,9 +159,9 @@ def supported(head_dim: int) -> bool:
 
 
 def fits(group: int, head_dim: int) -> bool:
-    """Whether one block holds a KV head's ``group`` query heads of ``head_dim`` values."""
-    threads = group * head_dim // 2
-    return threads <= MAX_THREADS and 4 * group * (head_dim + threads) <= MAX_SHARED
+    """Whether one block's shared memory holds a KV head's ``group`` query heads of
+    ``head_dim`` values (queries, a chunk's weights, the warps' maxima and sums)."""
+    return 4 * group * (head_dim + THREADS + 4 + 4 * head_dim) + 16 <= MAX_SHARED
 
 
 def ragged_decode(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array) -> mx.array:
@@ -167,12 +179,11 @@ def ragged_decode(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.
         )
     rows, q_heads, _, dim = q.shape
     kv_heads = k.shape[1]
-    threads = (q_heads // kv_heads) * dim // 2
     (out,) = _kernel(
         inputs=[(q * scale).astype(k.dtype), k, v, mask],
         template=[("T", k.dtype), ("D", dim), ("G", q_heads // kv_heads), ("KVH", kv_heads)],
-        grid=(rows * kv_heads * threads, 1, 1),
-        threadgroup=(threads, 1, 1),
+        grid=(rows * kv_heads * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
         output_shapes=[(rows, q_heads, 1, dim)],
         output_dtypes=[k.dtype],
     )
