@@ -106,14 +106,15 @@ def parts(
     return {k: v * 1e3 for k, v in out.items()}
 
 
-def engine_step(model: Any, rows: int, span: int, mean: int, kernel: str, steps: int) -> float:
+def engine_step(
+    model: Any, info: Any, rows: int, span: int, mean: int, kernel: str, steps: int
+) -> float:
     """Milliseconds per compiled decode step over ``rows`` rows of ~``mean`` tokens,
     ``steps`` launched back to back (each feeding the next, no host wait)."""
     import mlx.core as mx
 
     from mlxq.engine.hardware import backend_name
     from mlxq.engine.models import fused_projections, mlx_lm_seam
-    from mlxq.engine.models.facts import model_info
     from mlxq.engine.models.fused_projections import fuse_projections
     from mlxq.engine.slots.attention import KERNELS
     from mlxq.engine.slots.cache import SlotCache
@@ -122,7 +123,6 @@ def engine_step(model: Any, rows: int, span: int, mean: int, kernel: str, steps:
     mlx_lm_seam.install(model)
     fuse_projections(model, fused_projections.wanted(backend_name()))  # (as the engine runs)
     cache = SlotCache(len(model.layers), rows)
-    info = model_info(model, "step", vocab_size=1)
     shape = (rows, info.num_kv_heads, span, info.head_dim)
     dtype = getattr(mx, info.dtype)
     cache.keys = [mx.zeros(shape, dtype=dtype) for _ in model.layers]
@@ -148,6 +148,7 @@ def engine_step(model: Any, rows: int, span: int, mean: int, kernel: str, steps:
 
 def main(argv: list[str] | None = None) -> int:
     use_openblas()
+    from mlxq.engine.models.facts import model_info
     from mlxq.engine.models.make import PRESETS, build_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -164,16 +165,20 @@ def main(argv: list[str] | None = None) -> int:
     print(describe_device(), file=sys.stderr)
     tflops, gbs = ceilings(args.repeat)
     model, _ = build_model(args.preset)
+    info = model_info(model, args.preset, vocab_size=cfg["vocab_size"])
     h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     params = sum(v.size for _, v in _leaves(model)) - vocab * h  # (the embedding is read by row)
-    kv_token = 2 * layers * cfg["num_key_value_heads"] * cfg.get("head_dim", 64) * 2
     head = ["rows", "matmuls", "lm head", "attention", "sampling", "floor", "step", "ideal"]
     out = []
     for rows in (int(r) for r in args.rows.split(",")):
         p = parts(cfg, rows, args.span, args.mean_length, args.attention, args.repeat, args.chain)
-        step = engine_step(model, rows, args.span, args.mean_length, args.attention, args.steps)
+        step = engine_step(
+            model, info, rows, args.span, args.mean_length, args.attention, args.steps
+        )
         flop_ms = 2 * params * rows / (tflops * 1e12) * 1e3
-        byte_ms = (2 * params + rows * args.mean_length * kv_token) / (gbs * 1e9) * 1e3
+        byte_ms = (
+            (2 * params + rows * args.mean_length * info.kv_bytes_per_token) / (gbs * 1e9) * 1e3
+        )
         ideal = max(flop_ms, byte_ms)
         out.append([f"{rows:,}", *(fmt_num(p[k], 2) for k in head[1:5]),
                     fmt_num(sum(p.values()), 2), fmt_num(step, 2), fmt_num(ideal, 2)])  # fmt: skip

@@ -35,7 +35,6 @@ import mlx.core as mx
 
 from mlxq.engine.scheduler import kv_group_size
 from mlxq.engine.slots import ragged_attention
-from mlxq.engine.slots.ragged_attention import ragged_decode
 
 log = logging.getLogger("mlxq.engine.slots.engine")
 
@@ -108,7 +107,7 @@ def ragged_or_gqa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.
     KV head is too wide for one of its blocks (logged once)."""
     group, dim = q.shape[1] // k.shape[1], q.shape[-1]
     if ragged_attention.fits(group, dim):
-        return ragged_decode(q, k, v, scale, mask)
+        return ragged_attention.ragged_decode(q, k, v, scale, mask)
     _too_wide(group, dim)
     return gqa_decode(q, k, v, scale, mask)
 

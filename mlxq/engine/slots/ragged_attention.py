@@ -146,11 +146,9 @@ _SOURCE = """
     }
 """
 
-_kernel = None
-
-
 THREADS = 128  # a block's (the kernel's NT)
 MAX_SHARED = 48 * 1024  # a block's static shared memory
+_kernel = None  # built at first use (NVRTC compiles it then)
 
 
 def supported(head_dim: int) -> bool:
