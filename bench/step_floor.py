@@ -18,8 +18,15 @@ evaluations after a warm-up):
 Each part is launched ``--chain`` times in one evaluation so that the device, not the
 host's launch, sets its time. ``floor`` adds the parts: the device time of a step with
 no host cost at all. Also measured: a large matmul's TFLOP/s and a copy's bandwidth
-(the device's own ceilings), and the step's ideal time at those rates (its FLOPs, its
-weights and the KV it reads at ``--mean-length`` per row).
+(the device's own ceilings), and the step's ideal time at those rates (its FLOPs, or its
+weights and the KV it reads at ``--mean-length`` per row, whichever takes longer).
+
+The roofline bounds what any batch can gain over the first ``--rows``: a decoded token
+costs at least its FLOPs at the device's rate however wide the batch (and its KV bytes
+at the bandwidth), while a step of few rows costs at least one read of the weights. The
+script prints that bound for decoding alone and for requests of ``--prompt-tokens`` in
+and ``--output-tokens`` out (their prefill at its FLOPs, shared by both batch sizes):
+no engine that runs the narrow batch at its roofline reaches a larger ratio.
 
 Usage: ``python bench/step_floor.py --preset llama-3.2-1b --rows 256,512,1024 --span 384``
 """
@@ -160,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--chain", type=int, default=4, help="launches of a part per evaluation")
     ap.add_argument("--steps", type=int, default=40, help="engine steps timed back to back")
+    ap.add_argument("--prompt-tokens", type=int, default=128, help="a request's prompt (bound)")
+    ap.add_argument("--output-tokens", type=int, default=87, help="its mean output (bound)")
     args = ap.parse_args(argv)
     cfg = PRESETS[args.preset]
     print(describe_device(), file=sys.stderr)
@@ -167,21 +176,20 @@ def main(argv: list[str] | None = None) -> int:
     model, _ = build_model(args.preset)
     info = model_info(model, args.preset, vocab_size=cfg["vocab_size"])
     h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    params = sum(v.size for _, v in _leaves(model)) - vocab * h  # (the embedding is read by row)
+    cost = Roofline(model, cfg, info.kv_bytes_per_token, args.mean_length, tflops, gbs)
     head = ["rows", "matmuls", "lm head", "attention", "sampling", "floor", "step", "ideal"]
+    head.append("ideal us/token")
     out = []
-    for rows in (int(r) for r in args.rows.split(",")):
+    rows_arg = args.rows.split(",")
+    for rows in map(int, rows_arg):
         p = parts(cfg, rows, args.span, args.mean_length, args.attention, args.repeat, args.chain)
         step = engine_step(
             model, info, rows, args.span, args.mean_length, args.attention, args.steps
         )
-        flop_ms = 2 * params * rows / (tflops * 1e12) * 1e3
-        byte_ms = (
-            (2 * params + rows * args.mean_length * info.kv_bytes_per_token) / (gbs * 1e9) * 1e3
-        )
-        ideal = max(flop_ms, byte_ms)
+        ideal = cost.step_ms(rows)
         out.append([f"{rows:,}", *(fmt_num(p[k], 2) for k in head[1:5]),
-                    fmt_num(sum(p.values()), 2), fmt_num(step, 2), fmt_num(ideal, 2)])  # fmt: skip
+                    fmt_num(sum(p.values()), 2), fmt_num(step, 2), fmt_num(ideal, 2),
+                    fmt_num(ideal / rows * 1e3, 2)])  # fmt: skip
     print(
         f"{args.preset}: {layers} layers, hidden {h}, vocab {vocab:,}, bf16; span {args.span}, "
         f"{args.attention} attention; "
@@ -189,7 +197,50 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("milliseconds per decode step:")
     print(table(head, out))
+    print(
+        "roofline bound: the most any batch's tok/s can be over each rows' at the device's "
+        f"rates, decoding alone and end to end ({args.prompt_tokens} prompt + "
+        f"{args.output_tokens} output tokens a request, prefill at its FLOPs):"
+    )
+    bounds = [cost.bound(int(r), args.prompt_tokens, args.output_tokens) for r in rows_arg]
+    print(table(["rows", "us/token", "best us/token", "decode", "end to end"], bounds))
     return 0
+
+
+class Roofline:
+    """A model's ideal costs at the device's measured rates (module docstring)."""
+
+    def __init__(
+        self, model: Any, cfg: dict[str, Any], kv_token: int, mean: int, tflops: float, gbs: float
+    ) -> None:
+        h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+        qh, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        # Weights a token multiplies: all but an input embedding read by row (a tied
+        # embedding is also the LM head, so it counts).
+        total = sum(v.size for _, v in _leaves(model))
+        matmul = total if cfg.get("tie_word_embeddings") else total - vocab * h
+        attention = 4 * layers * qh * cfg.get("head_dim", h // qh) * mean  # q.k and p.v
+        self.flops = 2 * matmul + attention  # per decoded token
+        self.prefill_flops = 2 * (matmul - vocab * h) + attention  # per prompt token, no head
+        self.weight_bytes = 2 * matmul  # bf16, read once a step
+        self.kv_bytes = mean * kv_token  # read per row per step
+        self.flop_s, self.byte_s = tflops * 1e12, gbs * 1e9
+
+    def step_ms(self, rows: int) -> float:
+        """A step's ideal: its FLOPs or its bytes at the device's rates, the larger."""
+        flop = rows * self.flops / self.flop_s
+        byte = (self.weight_bytes + rows * self.kv_bytes) / self.byte_s
+        return max(flop, byte) * 1e3
+
+    def bound(self, rows: int, prompt: int, output: int) -> list[str]:
+        """The most any batch gains over ``rows`` at the roofline (decoding, end to end),
+        as a row of the bound's table."""
+        narrow = self.step_ms(rows) / rows / 1e3  # seconds a token
+        best = max(self.flops / self.flop_s, self.kv_bytes / self.byte_s)
+        prefill = prompt * self.prefill_flops / self.flop_s
+        end = (prefill + output * narrow) / (prefill + output * best)
+        us = [fmt_num(t * 1e6, 2) for t in (narrow, best)]
+        return [f"{rows:,}", *us, f"{narrow / best:.2f}x", f"{end:.2f}x"]
 
 
 def _leaves(model: Any) -> list[tuple[str, Any]]:

@@ -4,6 +4,7 @@ official ``openai`` package, batch-file lines, and a worker running the tiny mod
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -21,7 +22,9 @@ from mlxq.worker.profile import WorkerProfile
 from tests.helpers import worker_record
 
 KEY, OTHER_KEY, ADMIN_KEY = "sk-mlxq-test-1", "sk-mlxq-test-2", "sk-mlxq-admin"
-MODEL = "tiny"  # the queue is the model's last path component: the tiny model's folder
+# The queue is the model's last path component: the test model's folder, named for its
+# preset (conftest's ``tiny_model_dir``).
+MODEL = os.environ.get("MLXQ_TEST_PRESET", "tiny")
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MAX_UPLOAD = 16 * 1024
 MAX_LINES = 20

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,10 +35,14 @@ def conn(valkey_url: str) -> Iterator[redis.Redis]:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder with the random-weight ``tiny`` preset (seed 0), made once per session."""
+    """A folder with the random-weight ``tiny`` preset (seed 0), made once per session.
+    ``MLXQ_TEST_PRESET`` names another preset for a run elsewhere: on a GPU, ``cpu-small``
+    (heads of 64) puts the worker tests on the CUDA ragged attention, which ``tiny``'s
+    heads of 16 never take."""
     from mlxq.engine.models.make import make_model
 
-    return make_model(tmp_path_factory.mktemp("models") / "tiny", "tiny")
+    preset = os.environ.get("MLXQ_TEST_PRESET", "tiny")
+    return make_model(tmp_path_factory.mktemp("models") / preset, preset)
 
 
 @pytest.fixture(scope="session")

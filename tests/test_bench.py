@@ -134,3 +134,37 @@ def test_real_model_agreement_and_long_prompt_memory_run(tiny_model: str) -> Non
     memory = run_script("bench/long_prompt_memory.py", "--model", tiny_model, *short)
     got = json.loads(memory.stdout.strip().splitlines()[-1])
     assert got["same_tokens"] and got["ratio"] <= 2, got
+
+
+def test_step_floor_times_the_parts_and_prints_the_roofline_bound() -> None:
+    out = run_script(
+        "bench/step_floor.py",
+        *("--preset", "tiny", "--rows", "2,8", "--span", "32", "--mean-length", "8"),
+        *("--repeat", "1", "--chain", "1", "--steps", "2"),
+    )
+    assert "milliseconds per decode step" in out.stdout
+    assert "roofline bound" in out.stdout and "end to end" in out.stdout
+
+
+def test_the_roofline_bound_is_the_weight_read_against_the_flops() -> None:
+    # 1,000 weights (tied: the embedding is the head), no KV: a token's 2,000 FLOPs at 1e12
+    # FLOP/s take 2 ns; a step reads 2,000 bytes at 1e9 B/s (2 us) whatever its rows. So
+    # 10 rows cost 200 ns a token: at most 100x; 1,000 rows are at their FLOPs: 1x.
+    sys.path.insert(0, str(ROOT / "bench"))
+    from step_floor import Roofline
+
+    class Model:
+        def parameters(self) -> dict:
+            import mlx.core as mx
+
+            return {"w": mx.zeros((1000,))}
+
+    cfg = {"hidden_size": 10, "vocab_size": 10, "num_attention_heads": 1}
+    cfg |= {"num_hidden_layers": 0, "tie_word_embeddings": True}
+    cost = Roofline(Model(), cfg, kv_token=0, mean=0, tflops=1.0, gbs=1.0)
+    assert cost.step_ms(10) == pytest.approx(2e-3)
+    assert cost.bound(10, prompt=0, output=1)[3:] == ["100.00x", "100.00x"]
+    assert cost.bound(1000, prompt=0, output=1)[3:] == ["1.00x", "1.00x"]
+    # A prompt of 900 tokens at 1,800 FLOPs each (the head's 200 not counted) adds 1.62 us
+    # to both: (1.62 + 0.2) / (1.62 + 0.002) = 1.12x end to end.
+    assert cost.bound(10, prompt=900, output=1)[4] == "1.12x"
