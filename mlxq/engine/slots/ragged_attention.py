@@ -49,7 +49,7 @@ template <> __device__ __forceinline__ float2 load2<__nv_bfloat16>(const __nv_bf
 # row is read once per block); the warps' sums are merged at the end. A chunk without an
 # unmasked position is skipped whole; values are read up to its last unmasked one.
 _SOURCE = """
-    constexpr int NT = 128, NW = 4, E = D / 32;
+    constexpr int NW = NT / 32, E = D / 32;
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
     const int row = blockIdx.x / KVH, h = blockIdx.x % KVH;
     const int span = k_shape[2];
@@ -146,7 +146,7 @@ _SOURCE = """
     }
 """
 
-THREADS = 128  # a block's (the kernel's NT)
+THREADS = 128  # a block's threads (the kernel's NT, a multiple of 32)
 MAX_SHARED = 48 * 1024  # a block's static shared memory
 _kernel = None  # built at first use (NVRTC compiles it then)
 
@@ -179,7 +179,10 @@ def ragged_decode(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.
     kv_heads = k.shape[1]
     (out,) = _kernel(
         inputs=[(q * scale).astype(k.dtype), k, v, mask],
-        template=[("T", k.dtype), ("D", dim), ("G", q_heads // kv_heads), ("KVH", kv_heads)],
+        template=[
+            *(("T", k.dtype), ("D", dim), ("G", q_heads // kv_heads)),
+            *(("KVH", kv_heads), ("NT", THREADS)),
+        ],
         grid=(rows * kv_heads * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(rows, q_heads, 1, dim)],
