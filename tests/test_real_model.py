@@ -97,7 +97,11 @@ def test_logprobs_are_mlx_lm_s(smollm, engine) -> None:  # noqa: F811
     ref = reference(model, tokenizer, engine.encode(request), request)
     assert [t.token_id for t in c.logprobs] == c.token_ids == ref["tokens"]
     for token_lp, ref_lp in zip(c.logprobs, ref["logprobs"], strict=True):
-        assert token_lp.logprob == pytest.approx(ref_lp[token_lp.token_id].item(), abs=1e-4)
+        # Float32 logits (the CPU's) agree to 1e-4. CUDA runs the GGUF dequantized to half
+        # precision, whose logits differ in their last bits between two attention kernels
+        # (1.2e-3 seen on the H200; a half's step at a logit of 16 is 0.016).
+        tol = 1e-4 if ref_lp.dtype == mx.float32 else 2e-2
+        assert token_lp.logprob == pytest.approx(ref_lp[token_lp.token_id].item(), abs=tol)
         assert [t.token_id for t in token_lp.top] == mx.argsort(-ref_lp)[:3].tolist()
 
 
@@ -200,6 +204,7 @@ def test_rows_sorted_often_keep_mlx_lm_s_tokens(smollm, monkeypatch) -> None:  #
     monkeypatch.setattr(slot_engine, "SORT_EVERY", 1)
     monkeypatch.setattr(slot_order, "SORT_GAIN", 0.999)
     monkeypatch.setenv(slot_choices.SORT_ENV, "1")
+    monkeypatch.setenv(slot_choices.COMPILE_ENV, "0")  # (the compiled forward never sorts)
     asks = ["Name a fruit.", "What color is the sky?", "Say hello.", "Count to five."]
     asks += [text for text, _ in QUESTIONS] + ["Write two sentences about the sea."]
     jobs = {f"s{i}": chat(text, max_tokens=12 + 4 * (i % 4)) for i, text in enumerate(asks)}
