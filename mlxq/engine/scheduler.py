@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 # - cuda: measured on an H200 (issue 29, MLX CUDA 0.32.4, varied outputs, a queue 4x the
 #   batch), the 1B shape gained up to the widest row run: 256 -> 19.5k gen tok/s, 512 ->
 #   28.1k, 1,024 -> 36.3k (1.29x for the last doubling); the 8B shape 256 -> 8.0k, 512 ->
-#   9.0k, and memory holds ~300 of its 2,048-token jobs anyway. 1,024: the widest measured.
+#   9.0k, and memory holds ~300 of its 2,048-token jobs anyway. 2,048 rows measured no
+#   faster than 1,024 (8,192 requests, ragged attention: 44.4k against 45.7k gen tok/s):
+#   past ~600 rows the 1B step is compute-bound (bench/step_floor.py).
 # - metal: not measured; an Apple GPU has ~1/6 an H200's bandwidth and far less compute,
 #   so its steps turn compute-bound at fewer rows: one doubling past the old 256.
 # - cpu: measured on a 2-core Xeon (bench/README.md, "Batch sweeps"): the cpu-small preset,
