@@ -97,10 +97,10 @@ def test_logprobs_are_mlx_lm_s(smollm, engine) -> None:  # noqa: F811
     ref = reference(model, tokenizer, engine.encode(request), request)
     assert [t.token_id for t in c.logprobs] == c.token_ids == ref["tokens"]
     for token_lp, ref_lp in zip(c.logprobs, ref["logprobs"], strict=True):
-        # Float32 logits (the CPU's) agree to 1e-4. CUDA runs the GGUF dequantized to half
-        # precision, whose logits differ in their last bits between two attention kernels
-        # (1.2e-3 seen on the H200; a half's step at a logit of 16 is 0.016).
-        tol = 1e-4 if ref_lp.dtype == mx.float32 else 2e-2
+        # On the CPU they agree to 1e-4. On a GPU the batched forward and mlx-lm's single
+        # request run other kernels (GEMM tilings by shape, the ragged attention), whose
+        # float32 sums differ more: 1.2e-3 seen on the H200.
+        tol = 1e-4 if mx.default_device() == mx.cpu else 1e-2
         assert token_lp.logprob == pytest.approx(ref_lp[token_lp.token_id].item(), abs=tol)
         assert [t.token_id for t in token_lp.top] == mx.argsort(-ref_lp)[:3].tolist()
 
