@@ -89,7 +89,9 @@ def main() -> None:
     args = p.parse_args()
     common.use_openblas()
     common.quiet_logs()
-    from mlxq.engine.slots.choices import SORT_ENV
+    from mlxq.engine.slots.choices import COMPILE_ENV, SORT_ENV
+
+    os.environ[COMPILE_ENV] = "0"  # (rows are sorted by the eager forward only)
 
     model, tokenizer, facts = common.load_as_worker(args.model)
     reqs = requests(args.requests, args.max_tokens)

@@ -74,6 +74,7 @@ def test_hundreds_of_sorted_rows_equal_single_requests(
     monkeypatch.setattr(slot_engine, "SORT_EVERY", sort_every)
     monkeypatch.setattr(slot_order, "SORT_GAIN", 0.999)
     monkeypatch.setenv(slot_choices.SORT_ENV, "1")
+    monkeypatch.setenv(slot_choices.COMPILE_ENV, "0")  # (the compiled forward never sorts)
     monkeypatch.setenv(slot_choices.OVERLAP_ENV, overlap)
     engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=ROWS, prefill_batch=16)
     done = run_all(engine, dict(jobs), join_every)
@@ -128,3 +129,16 @@ def test_moved_rows_take_their_own_tokens_from_the_step_in_flight(
     for r in decoding:
         want = 1000 + index[id(r)] if id(r) in index else r.next_input
         assert got[r.slot] == want, f"row now in slot {r.slot}"
+
+
+def test_sorting_asked_of_the_compiled_forward_is_refused(tiny, monkeypatch) -> None:
+    """The compiled forward never sorts: ``MLXQ_SLOT_SORT=1`` with it fails at start,
+    saying what to change, instead of being dropped (it was, silently, on CUDA)."""
+    model, tokenizer = tiny
+    monkeypatch.setenv(slot_choices.COMPILE_ENV, "1")
+    monkeypatch.setenv(slot_choices.SORT_ENV, "1")
+    with pytest.raises(ValueError, match="MLXQ_SLOT_SORT=1 needs the eager decode forward"):
+        SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=4)
+    monkeypatch.delenv(slot_choices.SORT_ENV)  # the default: sorting where it applies
+    engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=4)
+    assert engine.choices.compiled and not engine.choices.sorting

@@ -131,6 +131,14 @@ def test_the_worker_checks_its_model_before_serving(
     assert not [k for k in conn.keys("*") if b"worker" in k]  # never registered
 
 
+def test_a_setting_the_engine_cannot_honour_is_refused(
+    tmp_path: Path, tiny_model: str, valkey_url: str
+) -> None:
+    env = {**offline_env(tmp_path), "MLXQ_SLOT_COMPILE": "1", "MLXQ_SLOT_SORT": "1"}
+    proc = run_mlxq("worker", "--model", tiny_model, "--burst", url=valkey_url, env=env)
+    assert_one_line(proc, "MLXQ_SLOT_SORT=1 needs the eager decode forward", "MLXQ_SLOT_COMPILE=0")
+
+
 def test_unreachable_redis(tmp_path: Path, tiny_model: str) -> None:
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

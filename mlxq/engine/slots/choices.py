@@ -14,7 +14,7 @@
   processes on one host; 1.36x on 8B's varied outputs), after a first-use kernel build
   of about 20 s on a fresh machine. The CPU pays for its whole-capacity span; Metal is unmeasured;
 - sorting rows by length (``MLXQ_SLOT_SORT=0`` turns it off; never with the compiled
-  forward, which attends the whole capacity anyway);
+  forward, which attends the whole capacity anyway: ``MLXQ_SLOT_SORT=1`` with it is refused);
 - join wait (``MLXQ_JOIN_WAIT``): decode steps the oldest waiting job may wait before a
   smaller group than ``join_group`` joins, while fewer jobs wait than slots are free: 4.
   On the H200 (1B, batch 256, varied and mixed outputs) 4 ran 1.19x and 1.09x faster
@@ -78,7 +78,8 @@ class DecodeChoices:
         cls, backend: str, info: ModelInfo, attention: str | None, kv_bits: int | None
     ) -> DecodeChoices:
         """The choices for ``info``'s model on ``backend``; raises ``ValueError`` for an
-        unknown attention or a cache that cannot be quantized as asked."""
+        unknown attention, a cache that cannot be quantized as asked, or sorting asked of
+        the compiled forward."""
         name, kernel = choose_kernel(backend, attention, info.head_dim)
         group = 64
         if kv_bits is not None:
@@ -86,6 +87,11 @@ class DecodeChoices:
             name = f"{kv_bits}-bit quantized"
         env = os.environ.get
         compiled = env(COMPILE_ENV, "1" if backend == "cuda" else "0") == "1"
+        if compiled and env(SORT_ENV) == "1":  # (asked for, not the default: refused)
+            raise ValueError(
+                f"{SORT_ENV}=1 needs the eager decode forward ({COMPILE_ENV}=0): the "
+                "compiled one attends every row over the whole capacity and never sorts"
+            )
         split = env(SPLIT_ENV)
         limit = int(split) if split is not None else SPLIT_BYTES.get(backend, 1 << 20)
         return cls(
