@@ -180,8 +180,11 @@ def ragged_decode(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.
     (out,) = _kernel(
         inputs=[(q * scale).astype(k.dtype), k, v, mask],
         template=[
-            *(("T", k.dtype), ("D", dim), ("G", q_heads // kv_heads)),
-            *(("KVH", kv_heads), ("NT", THREADS)),
+            ("T", k.dtype),
+            ("D", dim),
+            ("G", q_heads // kv_heads),
+            ("KVH", kv_heads),
+            ("NT", THREADS),
         ],
         grid=(rows * kv_heads * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
