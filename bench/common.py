@@ -11,10 +11,11 @@ import json
 import logging
 import os
 import signal
+import statistics
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,22 @@ def work_burst(worker: Any) -> tuple[float, float]:
     end = time.perf_counter()
     loop_end = marks.get("teardown", end)
     return loop_end - start, end - loop_end
+
+
+def median_seconds(build: Callable[[], Any], repeat: int, chain: int = 1, warmup: int = 1) -> float:
+    """Median seconds of one ``build()``: its graph launched ``chain`` times per
+    evaluation (so the device, not the host's launch, sets the time), after ``warmup``
+    evaluations outside the timing."""
+    import mlx.core as mx
+
+    for _ in range(warmup):
+        mx.eval([build() for _ in range(chain)])
+    times = []
+    for _ in range(repeat):
+        tic = time.perf_counter()
+        mx.eval([build() for _ in range(chain)])
+        times.append((time.perf_counter() - tic) / chain)
+    return statistics.median(times)
 
 
 def describe_device() -> str:

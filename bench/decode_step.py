@@ -20,13 +20,11 @@ Usage: ``python bench/decode_step.py --preset llama-3.2-1b --rows 256 --lengths 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
-from common import describe_device, fmt_num, fmt_ratio, table, use_openblas
+from common import describe_device, fmt_num, fmt_ratio, median_seconds, table, use_openblas
 
 PATHS = ("kvcache", "batch", "slot-gqa", "slot-gqa-compiled", "slot-fused")
 LABELS = {
@@ -97,20 +95,6 @@ def make_step(path: str, model: Any, info: Any, rows: int, length: int) -> Calla
     return step
 
 
-def time_step(step: Callable[[], Any], warmup: int, repeat: int) -> float:
-    """Median seconds of one step, evaluated to the logits."""
-    import mlx.core as mx
-
-    for _ in range(warmup):
-        mx.eval(step())
-    times = []
-    for _ in range(repeat):
-        tic = time.perf_counter()
-        mx.eval(step())
-        times.append(time.perf_counter() - tic)
-    return statistics.median(times)
-
-
 def main(argv: list[str] | None = None) -> int:
     use_openblas()
     from mlxq.engine.models.make import PRESETS
@@ -142,9 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     for length in (int(x) for x in args.lengths.split(",")):
         seconds = {}
         for path in paths:
-            seconds[path] = time_step(
-                make_step(path, model, info, args.rows, length), args.warmup, args.repeat
-            )
+            step = make_step(path, model, info, args.rows, length)
+            seconds[path] = median_seconds(step, args.repeat, warmup=args.warmup)
             mx.clear_cache()
         base = seconds.get("batch")
         rows = [

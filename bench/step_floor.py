@@ -34,26 +34,11 @@ Usage: ``python bench/step_floor.py --preset llama-3.2-1b --rows 256,512,1024 --
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
-from common import describe_device, fmt_num, table, use_openblas
-
-
-def timed(build: Callable[[], Any], repeat: int, chain: int) -> float:
-    """Median seconds of one ``build()`` (its graph launched ``chain`` times per eval)."""
-    import mlx.core as mx
-
-    mx.eval([build() for _ in range(chain)])
-    times = []
-    for _ in range(repeat):
-        tic = time.perf_counter()
-        mx.eval([build() for _ in range(chain)])
-        times.append((time.perf_counter() - tic) / chain)
-    return statistics.median(times)
+from common import describe_device, fmt_num, median_seconds, table, use_openblas
 
 
 def ceilings(repeat: int) -> tuple[float, float]:
@@ -64,8 +49,8 @@ def ceilings(repeat: int) -> tuple[float, float]:
     a, b = (mx.random.normal((n, n)).astype(mx.bfloat16) for _ in range(2))
     big = mx.random.normal((4 * n * n,)).astype(mx.bfloat16)  # 512 MiB on a GPU
     mx.eval(a, b, big)
-    mm = timed(lambda: a @ b, repeat, 4)
-    cp = timed(lambda: big + 1, repeat, 4)  # reads and writes every byte once
+    mm = median_seconds(lambda: a @ b, repeat, 4)
+    cp = median_seconds(lambda: big + 1, repeat, 4)  # reads and writes every byte once
     return 2 * n**3 / mm / 1e12, 2 * big.nbytes / cp / 1e9
 
 
@@ -105,10 +90,10 @@ def parts(
         return [mx.argmax(logits, axis=-1), mx.logsumexp(logits.astype(mx.float32), axis=-1)]
 
     out = {
-        "matmuls": timed(matmuls, repeat, chain),
-        "lm head": timed(lambda: x @ head.T, repeat, chain),
-        "attention": timed(attention, repeat, chain),
-        "sampling": timed(sampling, repeat, chain),
+        "matmuls": median_seconds(matmuls, repeat, chain),
+        "lm head": median_seconds(lambda: x @ head.T, repeat, chain),
+        "attention": median_seconds(attention, repeat, chain),
+        "sampling": median_seconds(sampling, repeat, chain),
     }
     return {k: v * 1e3 for k, v in out.items()}
 
