@@ -4,7 +4,6 @@ official ``openai`` package, batch-file lines, and a worker running the tiny mod
 from __future__ import annotations
 
 import json
-import os
 import socket
 import threading
 import time
@@ -19,12 +18,10 @@ from mlxq.api.serving import ConnectionLimits, server_options
 from mlxq.broker import keys
 from mlxq.worker.launch import run_worker
 from mlxq.worker.profile import WorkerProfile
-from tests.helpers import worker_record
+from tests.helpers import TEST_PRESET, worker_record
 
 KEY, OTHER_KEY, ADMIN_KEY = "sk-mlxq-test-1", "sk-mlxq-test-2", "sk-mlxq-admin"
-# The queue is the model's last path component: the test model's folder, named for its
-# preset (conftest's ``tiny_model_dir``).
-MODEL = os.environ.get("MLXQ_TEST_PRESET", "tiny")
+MODEL = TEST_PRESET  # the queue is the model's last path component: its folder's name
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MAX_UPLOAD = 16 * 1024
 MAX_LINES = 20

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ import pytest
 import redis
 
 from mlxq.server import make_server
+from tests.helpers import TEST_PRESET
 
 
 @pytest.fixture(scope="session")
@@ -41,8 +41,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     heads of 16 never take."""
     from mlxq.engine.models.make import make_model
 
-    preset = os.environ.get("MLXQ_TEST_PRESET", "tiny")
-    return make_model(tmp_path_factory.mktemp("models") / preset, preset)
+    return make_model(tmp_path_factory.mktemp("models") / TEST_PRESET, TEST_PRESET)
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+# The preset of the tests' model folder (conftest's ``tiny_model_dir``, named for it):
+# ``tiny``, or what ``MLXQ_TEST_PRESET`` names for a run elsewhere (``cpu-small`` on a GPU).
+TEST_PRESET = os.environ.get("MLXQ_TEST_PRESET", "tiny")
 
 
 def run_mlxq(
