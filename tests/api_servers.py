@@ -7,6 +7,7 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -32,7 +33,10 @@ FINAL = {"completed", "failed", "cancelled", "expired"}
 
 
 def serve(
-    valkey_url: str, sweep_interval: float, allow_unserved_models: bool = True
+    valkey_url: str,
+    sweep_interval: float,
+    allow_unserved_models: bool = True,
+    expected_models: Sequence[str] = (),
 ) -> tuple[uvicorn.Server, threading.Thread, int]:
     """An API server on a free port, started on a thread: (server, thread, port).
 
@@ -42,6 +46,7 @@ def serve(
     """
     settings = ApiSettings(
         allow_unserved_models=allow_unserved_models,
+        expected_models=list(expected_models),
         redis_url=valkey_url,
         api_keys=[KEY, OTHER_KEY, ADMIN_KEY],
         admin_keys=[ADMIN_KEY],

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +26,10 @@ from api_servers import (
     wait_final,
 )
 from helpers import ROOT, Worker, free_port, wait_for_port
+from rq.worker import Worker as RQWorker
 
+from mlxq.api.models import unserved_problem
+from mlxq.broker import fleet
 from tests.helpers import waiting
 
 UNSERVED = "gpt-4o-mini"
@@ -70,8 +74,10 @@ def test_without_a_live_worker_nothing_is_served(strict, client, conn):
 
     refused = _batch_for(strict, UNSERVED)
     assert _model_not_found(strict.batches.retrieve(refused.id)) == (
-        f"model {UNSERVED!r} is not served by any live mlxq worker; served: none (no live "
-        f"worker); start `mlxq worker --model {UNSERVED}` or name a served model"
+        f"model {UNSERVED!r} is not served by any mlxq worker, live or seen in the last 7 "
+        f"days; served: none (no live worker); start `mlxq worker --model {UNSERVED}`, name "
+        f"a served model, or start `mlxq api --models {UNSERVED}` to queue it for workers "
+        "started later"
     )
     assert refused.errors.data[0].param == "body.model"
     assert waiting(conn, UNSERVED) == 0
@@ -152,3 +158,63 @@ def test_the_command_queues_unserved_models_only_when_allowed(
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_batch_sent_while_every_worker_sleeps_waits_and_completes(
+    strict, conn, valkey_url, tiny_model, tmp_path
+):
+    """A fleet of one Mac, asleep (its worker stopped) when the batch is sent: the batch is
+    accepted for the model it served, stays in progress, and completes when it is back."""
+    first = Worker(valkey_url, tiny_model, log=tmp_path / "first.log")
+    first.wait_listening(conn)
+    first.stop()
+    assert not fleet.live_workers(conn)
+    for model in ("tiny", tiny_model):
+        assert _batch_for(strict, model).status == "in_progress"
+    assert _model_not_found(_batch_for(strict, UNSERVED))  # never served: still refused
+    batch = _batch_for(strict, "tiny")
+    time.sleep(1.0)
+    assert strict.batches.retrieve(batch.id).status == "in_progress"
+    back = Worker(valkey_url, tiny_model, log=tmp_path / "back.log")
+    try:
+        done = wait_final(strict, batch.id, timeout=120)
+        assert done.status == "completed" and done.request_counts.completed == 3
+    finally:
+        back.stop()
+
+
+def test_a_worker_is_seen_before_its_model_loads(conn, valkey_url, tiny_model, tmp_path):
+    """By the time RQ lists the worker (it listens for jobs), the API accepts its model."""
+    worker = Worker(valkey_url, tiny_model, log=tmp_path / "w.log")
+    try:
+        deadline = time.monotonic() + 120
+        while not RQWorker.all_keys(connection=conn):
+            assert worker.proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        assert unserved_problem(conn, "tiny") is None
+        assert unserved_problem(conn, tiny_model) is None
+    finally:
+        worker.stop()
+
+
+def test_a_batch_for_an_expected_model_waits_for_its_first_worker(
+    valkey_url, conn, tiny_model, tmp_path
+):
+    """`mlxq api --models tiny`: accepted before any worker ever ran it; run once one does."""
+    server, thread, port = serve(
+        valkey_url, sweep_interval=0.2, allow_unserved_models=False, expected_models=["tiny"]
+    )
+    try:
+        client = api_client(port)
+        batch = _batch_for(client, "tiny")
+        assert batch.status == "in_progress"
+        assert _model_not_found(_batch_for(client, UNSERVED))
+        worker = Worker(valkey_url, tiny_model, log=tmp_path / "w.log")
+        try:
+            done = wait_final(client, batch.id, timeout=120)
+            assert done.status == "completed" and done.request_counts.completed == 3
+        finally:
+            worker.stop()
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -63,6 +63,8 @@ class ApiSettings:
     # Queue batches for models no live worker serves (for workers started later) instead
     # of failing them with model_not_found.
     allow_unserved_models: bool = False
+    # Models to accept batches for although no worker has served them yet (``--models``).
+    expected_models: list[str] = field(default_factory=list)
 
 
 class CreateBatchBody(msgspec.Struct):
@@ -177,6 +179,7 @@ async def create_batch(request: Request) -> Response:
         metadata=body.metadata,
         max_lines=_settings(request).max_lines,
         allow_unserved=_settings(request).allow_unserved_models,
+        expected_models=_settings(request).expected_models,
     )
     return _json(state.batch)
 

@@ -13,6 +13,7 @@ compare-and-set on the record, so any number of API processes can do this concur
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import redis
 
@@ -62,10 +63,12 @@ def create_batch(
     metadata: dict[str, str] | None,
     max_lines: int,
     allow_unserved: bool = False,
+    expected_models: Sequence[str] = (),
 ) -> BatchState:
     """Validate ``tenant``'s input file and submit its requests as ``tenant``'s batch; the
-    record says how that went. Unless ``allow_unserved``, a batch for a model that no live
-    worker serves fails validation (it would wait for a worker nobody starts)."""
+    record says how that went. Unless ``allow_unserved``, a batch for a model that no
+    worker serves, has served lately, or is expected (``expected_models``) fails validation
+    (it would wait for a worker nobody starts)."""
     _check_params(endpoint, completion_window, metadata)
     file = store.get_file(conn, input_file_id, tenant)
     if file.purpose != "batch":
@@ -90,7 +93,7 @@ def create_batch(
         store.create_batch(conn, BatchState(batch=batch, owner=owner_of(tenant)))
         validated = validate_input(content, endpoint, max_lines=max_lines)
         if not validated.errors and not allow_unserved:
-            validated.errors = _unserved_errors(conn, validated)
+            validated.errors = _unserved_errors(conn, validated, expected_models)
         if validated.errors:
             return store.update_batch(conn, batch.id, lambda s: _fail(s, validated.errors))
         priority = (metadata or {}).get("priority", keys.DEFAULT_PRIORITY)
@@ -98,14 +101,17 @@ def create_batch(
     return refresh(conn, batch.id, force=True)  # after the lock: it may finalize
 
 
-def _unserved_errors(conn: redis.Redis, validated: Validated) -> list[BatchError]:
-    """OpenAI's ``model_not_found`` line error for each model no live worker serves, on the
-    first line naming it (lines naming none go to the batch's model's queue)."""
+def _unserved_errors(
+    conn: redis.Redis, validated: Validated, expected: Sequence[str]
+) -> list[BatchError]:
+    """OpenAI's ``model_not_found`` line error for each model no worker serves (live, lately
+    or ``expected``), on the first line naming it (lines naming none go to the batch's
+    model's queue)."""
     errors = []
     for model, line in validated.model_lines.items():
         if model is None and validated.model is not None:
             continue  # on the batch's model's queue: checked with its lines
-        problem = unserved_problem(conn, model)
+        problem = unserved_problem(conn, model, expected)
         if problem is not None:
             param = "body.model" if model is not None else None
             errors.append(BatchError("model_not_found", problem, param=param, line=line))

@@ -16,6 +16,7 @@ from mlxq.cli.support import check_port_free, connect, log_level_option, redis_o
 from mlxq.server import is_loopback
 
 ENV_ALLOW_UNSERVED = "MLXQ_API_ALLOW_UNSERVED_MODELS"
+ENV_MODELS = "MLXQ_API_MODELS"
 
 
 def resolve_keys(keys_file: str | None, no_auth: bool, host: str) -> dict[str, bool] | None:
@@ -80,6 +81,16 @@ def resolve_keys(keys_file: str | None, no_auth: bool, host: str) -> dict[str, b
     f"without it such a batch fails with model_not_found. Env: {ENV_ALLOW_UNSERVED}=1.",
 )
 @click.option(
+    "--models",
+    "expected_models",
+    multiple=True,
+    envvar=ENV_MODELS,
+    metavar="MODEL",
+    help="Accept batches for MODEL although no worker has served it yet (repeat for "
+    "several; models served in the last week are accepted anyway). "
+    f"Env: {ENV_MODELS}, space-separated.",
+)
+@click.option(
     "--read-timeout",
     default=serving.DEFAULT_READ_TIMEOUT,
     show_default=True,
@@ -109,6 +120,7 @@ def api_command(
     max_lines: int,
     sweep_interval: float,
     allow_unserved_models: bool,
+    expected_models: tuple[str, ...],
     read_timeout: float,
     keep_alive_timeout: int,
     max_connections: int | None,
@@ -120,8 +132,9 @@ def api_command(
     Existing OpenAI client code works unchanged but for base_url and api_key:
       OpenAI(base_url="http://HOST:8000/v1", api_key=KEY)
     Requests run on mlxq workers: the queue is the last part of the lines' `model`. A
-    batch for a model no live worker serves fails (model_not_found) unless
-    --allow-unserved-models.
+    batch for a model that workers serve, or served in the last week, waits for them
+    (asleep or restarting); one for a model no worker ever served fails
+    (model_not_found) unless --models names it or --allow-unserved-models.
     Each key sees only its own files and batches; admin keys see all.
     """
     roles = resolve_keys(keys_file, no_auth, host)
@@ -140,6 +153,7 @@ def api_command(
         max_lines=max_lines,
         sweep_interval=sweep_interval,
         allow_unserved_models=allow_unserved_models,
+        expected_models=list(expected_models),
     )
     conn = connect(redis_url, writes_jobs=True)
     if roles is None:

@@ -4,18 +4,21 @@ Each worker publishes a :class:`~mlxq.wire.WorkerInfo`, refreshed with its heart
 expiring when it dies (:func:`mlxq.broker.fleet.live_workers` reads them). A name is served
 when a live worker runs that model or takes the name's queue (its last path component, as
 ``mlxq submit --model`` picks it), so ``mlx-community/Foo-4bit`` and ``Foo-4bit`` both are
-when a worker runs ``mlx-community/Foo-4bit``. Batches are judged the same way.
+when a worker runs ``mlx-community/Foo-4bit``. Batches are judged the same way, except
+that a batch also waits for a model that workers served lately and that none serves right
+now (a fleet of laptops, all asleep): it runs when one comes back.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import redis
 
 from mlxq.api.errors import ApiError
-from mlxq.broker import fleet, keys
-from mlxq.wire import WorkerInfo
+from mlxq.broker import fleet, keys, routing
+from mlxq.wire import SeenModel, WorkerInfo
 
 
 def list_models(conn: redis.Redis) -> list[dict[str, Any]]:
@@ -41,16 +44,24 @@ def get_model(conn: redis.Redis, model_id: str) -> dict[str, Any]:
     return _model(model_id, min(w.started_at for w in serving))
 
 
-def unserved_problem(conn: redis.Redis, model: str | None) -> str | None:
+def unserved_problem(
+    conn: redis.Redis, model: str | None, expected: Sequence[str] = ()
+) -> str | None:
     """Why requests for ``model`` (None: requests that name none) would wait for a worker
-    that does not exist, or None when a live worker serves them."""
+    that does not exist, or None when one serves them: a live worker, one seen within
+    ``keys.SEEN_FOR_S`` (asleep, or restarting: the batch waits for it), or a model the
+    API was told to expect (``mlxq api --models``)."""
     workers = fleet.live_workers(conn)
     if any(serves(w, model) for w in workers):
+        return None
+    if any(serves(s, model) for s in fleet.seen_models(conn)):
+        return None
+    if model is not None and any(routing.same_model(model, m) for m in expected):
         return None
     return _unserved(model, workers)
 
 
-def serves(worker: WorkerInfo, model: str | None) -> bool:
+def serves(worker: WorkerInfo | SeenModel, model: str | None) -> bool:
     """Whether ``worker`` takes requests for ``model``: it runs that model, or it takes the
     model's queue (``default`` for requests that name no model)."""
     return worker.model == model or keys.queue_name_for_model(model) in worker.queues
@@ -67,8 +78,10 @@ def _unserved(model: str | None, workers: list[WorkerInfo]) -> str:
             "or name a served model in body.model"
         )
     return (
-        f"model {model!r} is not served by any live mlxq worker; served: {served}; "
-        f"start `mlxq worker --model {model}` or name a served model"
+        f"model {model!r} is not served by any mlxq worker, live or seen in the last "
+        f"{keys.SEEN_FOR_S // 86400} days; served: {served}; start `mlxq worker --model "
+        f"{model}`, name a served model, or start `mlxq api --models {model}` to queue "
+        "it for workers started later"
     )
 
 

@@ -20,7 +20,7 @@ from rq.utils import utcparse
 
 from mlxq.broker import keys
 from mlxq.broker.rq_store import lanes, rq_keys
-from mlxq.wire import QueueInfo, WorkerInfo, json_encoder
+from mlxq.wire import QueueInfo, SeenModel, WorkerInfo, json_encoder
 
 # How many jobs at the head of a queue (and of each of its lanes) are looked at to find its
 # oldest one: jobs are appended, so the head is the oldest unless some were put back at the
@@ -28,6 +28,7 @@ from mlxq.wire import QueueInfo, WorkerInfo, json_encoder
 OLDEST_SCAN = 16
 
 _worker_decoder = msgspec.json.Decoder(WorkerInfo)
+_seen_decoder = msgspec.json.Decoder(SeenModel)
 
 # Drop a name from the set only if its info key is still gone: a worker that
 # re-published between our read and the prune keeps its entry.
@@ -47,7 +48,30 @@ def publish(conn: redis.Redis, info: WorkerInfo, ttl: int) -> None:
     with conn.pipeline() as pipe:
         pipe.set(keys.worker_info(info.name), json_encoder.encode(info), ex=int(ttl))
         pipe.sadd(keys.workers(), info.name)
+        announce(pipe, info.models or [info.model], info.queues)
         pipe.execute()
+
+
+def announce(conn: redis.Redis | redis.client.Pipeline, models: list[str], queues: list[str]):
+    """Record that a worker serves ``models`` from ``queues`` (from before its model loads:
+    work for them is accepted while it starts, and while it sleeps, ``seen_models``)."""
+    now = time.time()
+    seen = {m: json_encoder.encode(SeenModel(m, queues, now)) for m in models}
+    conn.hset(keys.models_seen(), mapping=seen)
+
+
+def seen_models(conn: redis.Redis, within_s: float = keys.SEEN_FOR_S) -> list[SeenModel]:
+    """The models workers served within the last ``within_s`` seconds (live or not)."""
+    since = time.time() - within_s
+    out = []
+    for raw in conn.hvals(keys.models_seen()):
+        try:
+            seen = _seen_decoder.decode(raw)
+        except msgspec.DecodeError:
+            continue
+        if seen.seen_at >= since:
+            out.append(seen)
+    return sorted(out, key=lambda s: s.model)
 
 
 def remove(conn: redis.Redis, name: str) -> None:

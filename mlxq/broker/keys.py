@@ -85,6 +85,17 @@ def worker_info(name: str) -> str:
     return f"{PREFIX}:worker:{name}"
 
 
+def models_seen() -> str:
+    """Hash of every model a worker has served: model -> JSON ``SeenModel`` (its queues
+    and when last seen), so that work for a fleet asleep right now is still accepted."""
+    return f"{PREFIX}:models:seen"
+
+
+# How long a model counts as served after its last worker was seen (a fleet of laptops
+# may all be asleep over a weekend).
+SEEN_FOR_S = 7 * 24 * 3600
+
+
 def workers() -> str:
     """Set of worker names that have published info (stale names are pruned on read)."""
     return f"{PREFIX}:workers"

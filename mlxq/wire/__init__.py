@@ -17,6 +17,7 @@ from mlxq.wire.records import (
     ModelInfo,
     ModelProgress,
     QueueInfo,
+    SeenModel,
     WorkerInfo,
 )
 from mlxq.wire.request import (
@@ -73,6 +74,7 @@ __all__ = [
     "Request",
     "ResponseFormat",
     "Result",
+    "SeenModel",
     "StreamEntry",
     "TextFormat",
     "Timing",

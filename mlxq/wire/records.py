@@ -162,6 +162,15 @@ class WorkerInfo(Struct):
     models: list[str] = []
 
 
+class SeenModel(Struct):
+    """A model some worker served, with that worker's queues, when last seen alive
+    (``keys.models_seen``)."""
+
+    model: str
+    queues: list[str]
+    seen_at: float
+
+
 class QueueInfo(Struct):
     """One RQ queue at a glance (``mlxq status`` without a batch id).
 

@@ -3,6 +3,7 @@ scheduler → RQ worker."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import redis
 
+from mlxq.broker import fleet
 from mlxq.engine.factory import make_engine
 from mlxq.engine.hardware import DeviceFacts
 from mlxq.engine.protocol import BatchEngine
@@ -51,6 +53,9 @@ class Setup:
         self.neighbours = sharing.neighbours(conn) if conn is not None else []
         queues_by_model(profile)  # several models of one queue name: refused before loading
         self.models = ModelSet(profile, self.neighbours)
+        if conn is not None:  # found and checked: announced to `mlxq api` while it loads
+            with contextlib.suppress(redis.RedisError):
+                fleet.announce(conn, profile.served(), list(worker_queues(profile)))
         self.config: WorkerConfig | None = None  # set on the MLX thread: the loaded model's
         self._sized: list[WorkerConfig] = []  # the configurations whose sizing was logged
         self.runner = Runner(self._engine, self._scheduler)

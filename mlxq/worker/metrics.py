@@ -122,6 +122,13 @@ class WorkerMetrics:
         )
         for how in RECOVERED:
             self.recovered.labels(how=how)  # zeros from the start, as for outcomes
+        self.taken_over = Counter(
+            "mlxq_jobs_taken_over",
+            "Jobs this worker held that were taken back while it was away (stopped, asleep "
+            "or cut off past --abandon-after) and handed to another worker: neither put "
+            "back nor written from here, so none runs twice.",
+            registry=r,
+        )
         self.model_switches = Counter(
             "mlxq_model_switches",
             "Switches of the loaded model of a worker serving several, from one to another.",
@@ -170,6 +177,10 @@ class WorkerMetrics:
         """Count ``n`` jobs a sweep put back (``how``: one of ``RECOVERED``)."""
         if n:
             self.recovered.labels(how=how).inc(n)
+
+    def jobs_taken_over(self, n: int) -> None:
+        """Count ``n`` jobs found handed to another worker (``Reporter.taken_over``)."""
+        self.taken_over.inc(n)
 
     def model_switched(self, old: str, new: str, load_s: float) -> None:
         """Count a switch of the loaded model from ``old`` to ``new`` (load ``load_s`` s)."""

@@ -1,16 +1,14 @@
 """Writing finished jobs back to RQ: results, statuses and registries, many per round trip.
 
-Every result is written only if this worker still holds the job: its execution must still
-be in the StartedJobRegistry (a worker that slept past its heartbeat finds its jobs handed
-to someone else, and its late results are dropped, never written twice). The check and the
-writes run in one optimistic transaction that watches the jobs' hashes.
+Every result is written only if this worker still holds the job (``ownership``): a worker
+that slept past its heartbeat finds its jobs handed to someone else, and its late results
+are dropped, never written twice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 import redis
@@ -19,7 +17,7 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.worker import BaseWorker
 
-from mlxq.broker.rq_store import end_script, transitions
+from mlxq.broker.rq_store import end_script, ownership, transitions
 from mlxq.engine.sampling import Completion
 from mlxq.engine.token_bytes import token_bytes_for
 from mlxq.wire import FinishReason, JobMeta, Request, Result, Timing, Usage
@@ -37,21 +35,6 @@ class InFlight:
     started_at: float
     stop_reason: FinishReason | None = None  # "timeout"/"cancelled" when the worker stopped it
     prompt_tokens: int = 0  # as vetting tokenized it: usage for jobs the engine never counted
-
-
-class Held(Protocol):
-    """A job this worker registered: its queue and its RQ execution."""
-
-    queue: Queue
-    execution: Execution
-
-
-def still_held(conn: redis.Redis, items: Sequence[Held]) -> list[bool]:
-    """Whether each job's execution is still registered as running (one round trip)."""
-    with conn.pipeline(transaction=False) as pipe:
-        for inf in items:
-            pipe.zscore(inf.queue.started_job_registry.key, inf.execution.composite_key)
-        return [score is not None for score in pipe.execute()]
 
 
 @dataclass
@@ -106,29 +89,27 @@ def _write_through_rq(worker: BaseWorker, done: list[tuple[InFlight, Result]]) -
 
 
 def _transaction(worker: BaseWorker, done: list[tuple[InFlight, Result]]) -> list[InFlight]:
-    """Write ``done`` in one transaction; the jobs found lost."""
-    with worker.connection.pipeline() as pipe:
-        while True:
-            try:
-                pipe.watch(*[inf.job.key for inf, _ in done])
-                held = still_held(worker.connection, [inf for inf, _ in done])
-                pipe.multi()
-                ended = []
-                for (inf, result), ok in zip(done, held, strict=True):
-                    if ok:
-                        _write(pipe, worker, inf, result)
-                        ended.append((inf.job, inf.job.get_status(refresh=False)))
-                transitions.count_ended(pipe, worker, ended)
-                pipe.execute()
-                return [inf for (inf, _), ok in zip(done, held, strict=True) if not ok]
-            except redis.WatchError:
-                pipe.reset()  # a job changed hands meanwhile: check again
+    """Write ``done`` in one transaction, for the jobs still held; the jobs found lost."""
+    results = {id(inf): result for inf, result in done}
 
+    def write(pipe: Any, inf: InFlight) -> None:
+        transitions.end_job(
+            pipe,
+            inf.job,
+            inf.queue,
+            results[id(inf)],
+            worker=worker,
+            execution=inf.execution,
+            count=False,
+        )
 
-def _write(pipe, worker: BaseWorker, inf: InFlight, result: Result) -> None:
-    transitions.end_job(
-        pipe, inf.job, inf.queue, result, worker=worker, execution=inf.execution, count=False
-    )
+    def count(pipe: Any, ended: list[InFlight]) -> None:
+        statuses = [(inf.job, inf.job.get_status(refresh=False)) for inf in ended]
+        transitions.count_ended(pipe, worker, statuses)
+
+    infs = [inf for inf, _ in done]
+    held = ownership.write_if_held(worker.connection, infs, write, count)
+    return [inf for inf, ok in zip(infs, held, strict=True) if not ok]
 
 
 def build_result(

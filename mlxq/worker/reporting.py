@@ -69,6 +69,11 @@ class Reporter:
         if self.metrics is not None:
             self.metrics.jobs_recovered(how, len(job_ids))
 
+    def taken_over(self, n: int) -> None:
+        """Jobs this worker held that another worker took back meanwhile (dropped here)."""
+        if self.metrics is not None:
+            self.metrics.jobs_taken_over(n)
+
     def failed(self, reason: str) -> None:
         """A job failed without a result (rejected, or an error); ``reason`` is a category."""
         self.failures += 1

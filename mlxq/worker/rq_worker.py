@@ -34,7 +34,7 @@ from mlxq.worker.outage import WRITE_REFUSALS, Outage, ServerWatch, refuses_writ
 from mlxq.worker.outcomes import InFlight, build_result
 from mlxq.worker.profile import DEFAULTS, STALL_TIMEOUT_S
 from mlxq.worker.reporting import Reporter
-from mlxq.worker.stopping import release, release_all
+from mlxq.worker.stopping import release, release_all, taken_over
 from mlxq.worker.taking import IDLE_PULL_TIMEOUT_S, JobIntake
 from mlxq.worker.watchdog import EngineDied, EngineStalled
 from mlxq.worker.writeback import MAX_RESULT_BYTES, Failure, ResultLimit, Writeback, result_limit
@@ -84,6 +84,7 @@ class MlxqWorker(JobIntake, BaseWorker):
         self.grace_period = grace_period
         self.stall_timeout = stall_timeout
         self.stalled = False
+        self.awake = watchdog.Awake()
         self.inflight: dict[str, InFlight] = {}
         # Ended jobs (and stream output) not yet written to Redis; results over the tightest
         # of max_result_bytes and the server's limits fail their job instead.
@@ -132,6 +133,8 @@ class MlxqWorker(JobIntake, BaseWorker):
             while_refused(lambda: self.bootstrap(logging_level), outage)  # a full Redis: wait
             internals.install_signal_handlers(self)
             self.set_state(WorkerStatus.IDLE)
+            with contextlib.suppress(redis.RedisError):  # (its loop publishes it again)
+                self._report_if_due(force=True)  # seen by `mlxq api` as soon as it listens
             while not (internals.stop_requested(self) or self._force_stop):
                 try:
                     self._check_server_if_due()
@@ -155,7 +158,7 @@ class MlxqWorker(JobIntake, BaseWorker):
             self._on_stall(e)
             raise
         finally:
-            release_all(self, self.inflight, self.runner, self.owed)
+            release_all(self, self.inflight, self.runner, self.owed, self.reporter)
             if not self.stalled:  # a hung MLX thread never joins: do not wait for it
                 self.runner.stop()
                 self._forget()
@@ -173,6 +176,7 @@ class MlxqWorker(JobIntake, BaseWorker):
     def _pass(self, burst: bool, max_jobs: int | None) -> bool:
         """One pass of the loop; True when the worker is done."""
         self.check_for_suspension(burst)
+        self._notice_wake()
         # Results and heartbeats before the sweep: after an outage the sweep would otherwise
         # find this worker's own jobs lapsed and put them back.
         self._finish(self.runner.completions())
@@ -194,8 +198,26 @@ class MlxqWorker(JobIntake, BaseWorker):
             self._finish(self.runner.completions(timeout=BUSY_WAIT_S))
         if not self.runner.alive:
             raise EngineDied("the MLX thread stopped on an error (logged above)")
-        watchdog.check_stall(self.runner, self.inflight, self.stall_timeout)
+        self._notice_wake()
+        watchdog.check_stall(self.runner, self.inflight, self.stall_timeout, self.awake)
         return False
+
+    def _notice_wake(self) -> None:
+        """After this process was stopped or asleep: say so, heartbeat at once (dropping
+        the jobs handed on meanwhile) and give the MLX thread a fresh stall window."""
+        gap = self.awake.woke()
+        if gap is None:
+            return
+        self.log.warning(
+            "Worker %s: this process did not run for %.0fs (stopped, or its machine slept); "
+            "checking which of its %d jobs it still holds",
+            self.name,
+            gap,
+            len(self.inflight),
+        )
+        self._last_beat = 0.0
+        if self.inflight:
+            self._beat_if_due()
 
     # -- a hung MLX thread ---------------------------------------------------------------
     def _on_stall(self, e: EngineStalled) -> None:
@@ -244,23 +266,20 @@ class MlxqWorker(JobIntake, BaseWorker):
                 self.owed.done.append((inf, result))
 
     def _flush(self) -> None:
-        """Write back everything owed (see :class:`~mlxq.worker.writeback.Writeback`)."""
-        for inf in self.owed.flush(self, self._fail):
-            self.log.warning(
-                "Worker %s: job %s was handed to another worker while this one "
-                "was away; dropped this late result",
-                self.name,
-                inf.job.id,
-            )
+        """Write back everything owed (see :class:`~mlxq.worker.writeback.Writeback`);
+        late results of jobs handed to another worker meanwhile are dropped."""
+        taken_over(self, self.reporter, self.owed.flush(self, self._fail))
 
-    def _fail(self, f: Failure) -> None:
-        """Fail one job (retried if it has retries left, else ended with its error result);
-        the others carry on."""
+    def _fail(self, f: Failure) -> bool:
+        """Fail one job it still holds (retried if it has retries left, else ended with its
+        error result), False where another worker took it; the others carry on."""
+        f.job.ended_at = now()
+        if transitions.fail_or_retry(self, f, f.result) is None:
+            return False
         self.log.warning("Worker %s: job %s failed: %s", self.name, f.job.id, f.result.error)
         if self.reporter is not None:
             self.reporter.failed(f.reason)
-        f.job.ended_at = now()
-        transitions.fail_or_retry(self, f.job, f.queue, f.execution, f.result)
+        return True
 
     # -- heartbeats, cancels and time limits ---------------------------------------------
     def _beat_if_due(self) -> None:
@@ -268,7 +287,8 @@ class MlxqWorker(JobIntake, BaseWorker):
         if time.monotonic() - self._last_beat < self.job_monitoring_interval:
             return
         self._last_beat = time.monotonic()
-        watchdog.beat(self, self.inflight, self.runner, self.abandon_after)
+        lost = watchdog.beat(self, self.inflight, self.runner, self.abandon_after)
+        taken_over(self, self.reporter, lost)
 
     def _report_if_due(self, force: bool = False) -> None:
         """Publish this worker's state (`mlxq workers`, progress bars, metrics) every
@@ -285,7 +305,7 @@ class MlxqWorker(JobIntake, BaseWorker):
             ttl=self.abandon_after,
             memory=self.runner.memory,
             state=self._published_state(),
-            step_age_s=watchdog.step_age(self.runner, self.inflight),
+            step_age_s=watchdog.step_age(self.runner, self.inflight, self.awake),
         )
 
     def _published_state(self) -> str:
@@ -305,7 +325,7 @@ class MlxqWorker(JobIntake, BaseWorker):
     def _wind_down(self) -> None:
         """Finish the running jobs within the grace period (a second signal cuts it short);
         jobs pulled but not yet in the batch go back on their queues at once."""
-        release(self, self.inflight, self.runner.withdraw_pending(), self.runner)
+        release(self, self.inflight, self.runner.withdraw_pending(), self.runner, self.reporter)
         deadline = time.monotonic() + self.grace_period
         while (self.inflight or self.owed) and not self._force_stop and time.monotonic() < deadline:
             try:

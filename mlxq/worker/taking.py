@@ -15,14 +15,15 @@ from rq.job import Job
 from rq.queue import Queue
 
 from mlxq.broker import intake, unaccounted
+from mlxq.broker.keys import queue_name_for_model
 from mlxq.broker.recovery import requeue_abandoned, requeue_stranded
 from mlxq.broker.rq_store import internals, transitions
 from mlxq.broker.rq_store.job_loading import Unreadable
 from mlxq.engine.runner import Work
 from mlxq.engine.sampling import EngineJob
 from mlxq.worker.outcomes import InFlight, unrun_result
-from mlxq.worker.vetting import Refused, Vetted, vet
-from mlxq.worker.writeback import Failure
+from mlxq.worker.vetting import Elsewhere, Refused, Served, Vetted, vet
+from mlxq.worker.writeback import Failure, Redirect
 
 if TYPE_CHECKING:
     from mlxq.worker.rq_worker import MlxqWorker
@@ -94,11 +95,19 @@ class JobIntake:
             self._next_pull_at = time.monotonic() + EMPTY_PULL_BACKOFF_S
         return len(pulled)
 
+    def _served(self: MlxqWorker) -> Served:
+        """The models this worker serves, the loaded one first (what vetting checks)."""
+        if self.switcher is None:
+            return Served(self.model_name, {self.model_name: queue_name_for_model(self.model_name)})
+        own = {m: queue_name_for_model(m) for m in self.switcher.queues}
+        return Served(self.switcher.active, own)
+
     def _start_group(self: MlxqWorker, group: list[tuple[Job, Queue]]) -> None:
         """Vet jobs, hand the good ones to the engine together, then register them all as
         RQ executions: the engine starts on them meanwhile, and nothing is written back
         before they are registered (that happens on this thread)."""
-        vetted = [vet(self.runner, job) for job, _ in group]
+        served = self._served()
+        vetted = [vet(self.runner, job, served, queue.name) for job, queue in group]
         works = [
             Work(EngineJob(job.id, v.request), v.tokens)
             for (job, _), v in zip(group, vetted, strict=True)
@@ -119,6 +128,8 @@ class JobIntake:
             if isinstance(execution, str):
                 self.runner.cancel(job.id)
                 self.log.warning("Worker %s: job %s %s", self.name, job.id, execution)
+            elif isinstance(v, Elsewhere):
+                self.owed.redirected.append(Redirect(job, queue, execution, v.queue))
             elif isinstance(v, Refused):
                 result = transitions.result_without_output(
                     job,

@@ -11,10 +11,14 @@ from rq.utils import now
 from rq.worker import BaseWorker
 
 from mlxq.broker import keys
+from mlxq.broker.rq_store.ownership import still_held
 from mlxq.engine.runner import Runner
-from mlxq.worker.outcomes import InFlight, still_held
+from mlxq.worker.outcomes import InFlight
 from mlxq.worker.reporting import Reporter
 
+# A loop pass takes at most about a second (a blocking pull); a gap this long between two
+# looks means the whole process was stopped or asleep, not busy.
+FROZEN_GAP_S = 5.0
 # How long a stalled worker's record stays for `mlxq workers` after it exits.
 STALLED_RECORD_TTL = 600
 
@@ -28,9 +32,12 @@ class EngineDied(RuntimeError):
     jobs back and exits non-zero."""
 
 
-def beat(worker: BaseWorker, inflight: dict[str, InFlight], runner: Runner, ttl: int) -> None:
+def beat(
+    worker: BaseWorker, inflight: dict[str, InFlight], runner: Runner, ttl: int
+) -> list[InFlight]:
     """Refresh the worker's and every in-flight execution's heartbeat (``ttl`` seconds) in
-    one round trip; jobs found handed to another worker meanwhile are dropped here."""
+    one round trip; jobs found handed to another worker meanwhile are dropped here (and
+    returned)."""
     items = list(inflight.values())
     held = still_held(worker.connection, items)
     with worker.connection.pipeline() as pipe:
@@ -41,11 +48,11 @@ def beat(worker: BaseWorker, inflight: dict[str, InFlight], runner: Runner, ttl:
                 inf.execution.heartbeat(inf.job.started_job_registry, ttl, pipeline=pipe)
                 inf.job.heartbeat(stamp, ttl, pipeline=pipe, xx=True)
         pipe.execute()
-    for inf, ok in zip(items, held, strict=True):
-        if not ok:
-            worker.log.warning("Worker %s: lost job %s to another worker", worker.name, inf.job.id)
-            inflight.pop(inf.job.id, None)
-            runner.cancel(inf.job.id)
+    lost = [inf for inf, ok in zip(items, held, strict=True) if not ok]
+    for inf in lost:
+        inflight.pop(inf.job.id, None)
+        runner.cancel(inf.job.id)
+    return lost
 
 
 def stop_due(conn: redis.Redis, inflight: dict[str, InFlight], runner: Runner) -> None:
@@ -63,16 +70,44 @@ def stop_due(conn: redis.Redis, inflight: dict[str, InFlight], runner: Runner) -
             runner.cancel(inf.job.id)
 
 
-def step_age(runner: Runner, inflight: dict[str, InFlight]) -> float | None:
-    """Seconds since the MLX thread's last completed pass, while jobs are in flight."""
-    return time.monotonic() - runner.last_progress if inflight else None
+class Awake:
+    """Notices that this whole process did not run for a while: stopped (SIGSTOP, a
+    debugger) or its machine asleep. The MLX thread was frozen with it, so its silence over
+    that time is no stall; and the jobs it held may have been handed to other workers."""
+
+    def __init__(self) -> None:
+        self.since = time.monotonic()  # when it last woke (or started)
+        self._seen_wall, self._seen_mono = time.time(), time.monotonic()
+
+    def woke(self) -> float | None:
+        """Seconds this process did not run since the last call, if over ``FROZEN_GAP_S``.
+        (Both clocks: a Mac's monotonic clock stops while it sleeps, its wall clock not.)"""
+        wall, mono = time.time(), time.monotonic()
+        gap = max(wall - self._seen_wall, mono - self._seen_mono)
+        self._seen_wall, self._seen_mono = wall, mono
+        if gap < FROZEN_GAP_S:
+            return None
+        self.since = mono
+        return gap
 
 
-def check_stall(runner: Runner, inflight: dict[str, InFlight], stall_timeout: float) -> None:
+def step_age(
+    runner: Runner, inflight: dict[str, InFlight], awake: Awake | None = None
+) -> float | None:
+    """Seconds since the MLX thread's last completed pass (or since this process woke, if
+    later), while jobs are in flight."""
+    if not inflight:
+        return None
+    return time.monotonic() - max(runner.last_progress, awake.since if awake else 0.0)
+
+
+def check_stall(
+    runner: Runner, inflight: dict[str, InFlight], stall_timeout: float, awake: Awake
+) -> None:
     """Give up on an MLX thread that has made no progress for ``stall_timeout`` s while
     jobs are in flight (hung in a native call: heartbeats alone would hold its jobs
     forever)."""
-    age = step_age(runner, inflight)
+    age = step_age(runner, inflight, awake)
     if age is not None and age >= stall_timeout:
         raise EngineStalled(
             f"the MLX thread completed no step for {age:.0f}s (--stall-timeout "

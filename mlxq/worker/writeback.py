@@ -22,10 +22,12 @@ from rq.worker import BaseWorker
 
 from mlxq.broker import streams
 from mlxq.broker.eviction import ServerLimits
+from mlxq.broker.rq_store import transitions
+from mlxq.broker.rq_store.ownership import Held
 from mlxq.engine.sampling import StreamChunk
 from mlxq.wire import Result, json_encoder
 from mlxq.worker.outage import refuses_writes
-from mlxq.worker.outcomes import InFlight, Written, still_held, write_results
+from mlxq.worker.outcomes import InFlight, Written, write_results
 from mlxq.worker.profile import DEFAULTS
 
 MAX_RESULT_BYTES = DEFAULTS.max_result_bytes  # the default cap on one stored result
@@ -44,6 +46,17 @@ class Failure:
     result: Result
     reason: str = "error"
     retry: bool = True
+
+
+@dataclass
+class Redirect:
+    """A registered job naming another model this worker serves: it goes to ``to``, that
+    model's queue (vetting's ``Elsewhere``)."""
+
+    job: Job
+    queue: Queue
+    execution: Execution
+    to: str
 
 
 @dataclass(frozen=True)
@@ -95,28 +108,40 @@ class Writeback:
         self.stream_ends: list[tuple[str, str]] = []  # (job id, finish reason)
         self.failed: list[Failure] = []
         self.done: list[tuple[InFlight, Result]] = []
+        self.redirected: list[Redirect] = []
         self.limit = limit or ResultLimit()
 
     def __len__(self) -> int:
         """Ended jobs still owed."""
-        return len(self.failed) + len(self.done)
+        return len(self.failed) + len(self.done) + len(self.redirected)
 
-    def flush(self, worker: BaseWorker, fail: Callable[[Failure], None]) -> list[InFlight]:
+    def flush(self, worker: BaseWorker, fail: Callable[[Failure], bool]) -> list[Held]:
         """Write everything owed; returns the jobs found handed to another worker (their late
-        results are dropped). A Redis error propagates, with what is left kept for the next
-        try: a write that landed before its reply was lost is found not held, never redone.
+        results and failures are dropped). ``fail`` fails one job, False where it was not
+        held. A Redis error propagates, with what is left kept for the next try: a write
+        that landed before its reply was lost is found not held, never redone.
         """
         if self.chunks or self.stream_ends:
             streams.publish(worker.connection, self.chunks, self.stream_ends)
             self.chunks, self.stream_ends = [], []
         self._refuse_oversized()
-        lost = self._write_done(worker)
-        if self.failed:
-            held = still_held(worker.connection, self.failed)  # one round trip for all
-            for is_held in held:
-                if is_held:
-                    _fail_one(worker, self.failed[0], fail)
-                self.failed.pop(0)  # done: a Redis error in a later one keeps the rest
+        lost: list[Held] = list(self._write_done(worker))
+        while self.failed:
+            if not _fail_one(worker, self.failed[0], fail):
+                lost.append(self.failed[0])
+            self.failed.pop(0)  # done: a Redis error in a later one keeps the rest
+        if self.redirected:
+            moved = transitions.redirect(worker, self.redirected)
+            for r, ok in zip(self.redirected, moved, strict=True):
+                if ok:
+                    worker.log.info(
+                        "Worker %s: job %s names the model of queue %s: moved there",
+                        worker.name,
+                        r.job.id,
+                        r.to,
+                    )
+            lost += [r for r, ok in zip(self.redirected, moved, strict=True) if not ok]
+            self.redirected = []
         return lost
 
     def _refuse_oversized(self) -> None:
@@ -179,13 +204,14 @@ def _over_bulk_limit(result: Result) -> str:
     return too_large(stored_size(result), "over its proto-max-bulk-len")
 
 
-def _fail_one(worker: BaseWorker, f: Failure, fail: Callable[[Failure], None]) -> None:
-    """Fail one job; a job whose failure Redis refuses (but not a Redis that refuses all
-    writes) is left to the sweep, which puts it back once its heartbeat lapses."""
+def _fail_one(worker: BaseWorker, f: Failure, fail: Callable[[Failure], bool]) -> bool:
+    """Fail one job; False where another worker had taken it. A job whose failure Redis
+    refuses (but not a Redis that refuses all writes) is left to the sweep, which puts it
+    back once its heartbeat lapses."""
     if not f.retry:
         f.job.retries_left = 0  # RQ reads it from the job object: not written back
     try:
-        fail(f)
+        return fail(f)
     except redis.ResponseError as e:
         if refuses_writes(e):
             raise
@@ -195,6 +221,7 @@ def _fail_one(worker: BaseWorker, f: Failure, fail: Callable[[Failure], None]) -
             f.job.id,
             e,
         )
+        return True
 
 
 def _answers(conn: redis.Redis) -> bool:

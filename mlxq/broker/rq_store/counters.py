@@ -53,6 +53,21 @@ def move_step_lua(job: str, counts: str, bucket: str, when: str) -> str:
     )
 
 
+_REHOME = f"""
+if redis.call('HEXISTS', KEYS[1], 'queued{SEP}' .. ARGV[1]) == 1 then
+  redis.call('HINCRBY', KEYS[1], 'queued{SEP}' .. ARGV[1], -1)
+  redis.call('HINCRBY', KEYS[1], 'queued{SEP}' .. ARGV[2], 1)
+end
+"""
+
+
+def rehome(pipe: Any, batch_id: str, old: str, new: str) -> None:
+    """Queue, in ``pipe``'s transaction, moving a queued job's per-queue counter from queue
+    ``old`` to ``new`` (where the batch keeps them)."""
+    script = pipe.register_script(_REHOME)
+    script(keys=[keys.batch_counts(batch_id)], args=[old, new])
+
+
 def batch_of(job: Job) -> str | None:
     """The mlxq batch a job belongs to (None for jobs pushed into RQ by other means)."""
     meta = job.meta if isinstance(job.meta, dict) else {}

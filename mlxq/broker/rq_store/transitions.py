@@ -5,7 +5,8 @@ and ending finished ones, are one server-side script each: ``start_script``,
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import msgspec
 from rq.executions import Execution
@@ -16,8 +17,8 @@ from rq.utils import now, utcformat
 from rq.worker import BaseWorker
 
 from mlxq.broker import keys
-from mlxq.broker.rq_store import rq_keys
-from mlxq.broker.rq_store.counters import batch_of, move
+from mlxq.broker.rq_store import ownership, rq_keys
+from mlxq.broker.rq_store.counters import batch_of, move, rehome
 from mlxq.broker.rq_store.rq_keys import (
     execution_key,
     executions_key,
@@ -138,13 +139,14 @@ def count_ended(pipe: Any, worker: BaseWorker, ended: list[tuple[Job, JobStatus]
         pipe.hincrbyfloat(worker.key, "total_working_time", working)
 
 
-def fail_or_retry(
-    worker: BaseWorker, job: Job, queue: Queue, execution: Execution, result: Result
-) -> bool:
-    """A failed run of a job: back on its queue if it has retries left (True), else ended
-    with ``result`` (an error). One transaction either way."""
+def fail_or_retry(worker: BaseWorker, held: ownership.Held, result: Result) -> bool | None:
+    """A failed run of a job this worker still holds: back on its queue if it has retries
+    left (True), else ended with ``result`` (an error, False); one transaction either way.
+    None when another worker took the job meanwhile (nothing written)."""
+    job, queue, execution = held.job, held.queue, held.execution
     retry = job.should_retry
-    with worker.connection.pipeline() as pipe:
+
+    def write(pipe: Any, _: ownership.Held) -> None:
         if retry:
             worker.cleanup_execution(job, pipeline=pipe, execution=execution)
             worker.increment_failed_job_count(pipeline=pipe)
@@ -152,11 +154,46 @@ def fail_or_retry(
             job.retry(queue, pipe)
         else:
             end_job(pipe, job, queue, result, worker=worker, execution=execution)
-        pipe.execute()
-    return retry
+
+    return retry if ownership.write_if_held(worker.connection, [held], write)[0] else None
 
 
-def put_back(pipe: Any, worker: BaseWorker, job: Job, queue: Queue, execution: Execution) -> None:
+def give_back(worker: BaseWorker, items: Sequence[ownership.H]) -> list[bool]:
+    """Put the jobs this worker still holds back at the front of their queues, in one
+    transaction; for each, whether it was (False: another worker took it meanwhile, and
+    it is left as that worker left it, never run again from here)."""
+
+    def write(pipe: Any, held: ownership.Held) -> None:
+        _put_back(pipe, worker, held.job, held.queue, held.execution)
+
+    return ownership.write_if_held(worker.connection, items, write)
+
+
+def redirect(worker: BaseWorker, items: Sequence[Redirected]) -> list[bool]:
+    """Move jobs this worker still holds to the front of another queue (``item.to``), their
+    ``origin`` and their batch's per-queue counters with them, in one transaction; for each,
+    whether it was held (as :func:`give_back`)."""
+
+    def write(pipe: Any, item: Redirected) -> None:
+        job = item.job
+        worker.cleanup_execution(job, pipeline=pipe, execution=item.execution)
+        batch_id = batch_of(job)
+        move(pipe, job.id, batch_id, "queued")
+        if batch_id is not None:
+            rehome(pipe, batch_id, item.queue.name, item.to)
+        pipe.hset(job.key, mapping={"status": JobStatus.QUEUED.value, "origin": item.to})
+        pipe.lpush(rq_keys.queue_key(item.to), job.id)
+
+    return ownership.write_if_held(worker.connection, items, write)
+
+
+class Redirected(ownership.Held, Protocol):
+    """A held job to move to the queue ``to``."""
+
+    to: str
+
+
+def _put_back(pipe: Any, worker: BaseWorker, job: Job, queue: Queue, execution: Execution) -> None:
     """Queue in ``pipe`` returning a job this worker holds to the front of its queue."""
     worker.cleanup_execution(job, pipeline=pipe, execution=execution)
     move(pipe, job.id, batch_of(job), "queued")
