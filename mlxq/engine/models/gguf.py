@@ -8,6 +8,10 @@ architecture to mlx-lm's model class, renames the tensors, undoes llama.cpp's pe
 the q and k rows (for its interleaved rotary layout) on weights, scales and biases alike, and
 keeps the quantized blocks in MLX's affine layout (:mod:`mlxq.engine.models.gguf_quant`); the
 tokenizer and chat template come from the metadata (:mod:`mlxq.engine.models.gguf_tokenizer`).
+Before any of that the file is checked (:mod:`mlxq.engine.models.gguf_checks`): a damaged
+file is refused in one line rather than converted into a different model. A conversion
+works in a ``.converting-<host>-<pid>-*`` folder beside the cache; the next conversion
+removes those whose process is gone (killed midway).
 """
 
 from __future__ import annotations
@@ -16,14 +20,18 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from mlxq.engine.models.gguf_checks import GGUFError, open_reader, read_header
 from mlxq.engine.models.gguf_quant import Quantized, convert
 
 log = logging.getLogger("mlxq.engine")
@@ -61,10 +69,9 @@ TOP_NAMES = {
 }
 # Tensors the mlx-lm model computes itself; their facts go into the config instead.
 ROPE_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
-
-
-class GGUFError(ValueError):
-    """A GGUF file this converter cannot honour; the message says which part and why."""
+WORK_PREFIX = ".converting-"
+# A work folder named without a pid (before pids were in the name) is stale after this long.
+UNOWNED_STALE_S = 24 * 3600
 
 
 def is_gguf(name: str) -> bool:
@@ -85,13 +92,16 @@ def cache_key(path: Path) -> str:
 
 
 def converted_folder(path: Path) -> Path:
-    """The mlx-lm folder of GGUF file ``path``: the cached copy, converted first if absent."""
+    """The mlx-lm folder of GGUF file ``path``: the cached copy, converted first if absent.
+    :class:`GGUFError` (one line, naming ``path``) if the file cannot be converted."""
     folder = cache_root() / cache_key(path)
     if (folder / "config.json").is_file():
         log.info("gguf: %s converted before, loading %s", path.name, folder)
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))
+    remove_stale_work(folder.parent)
+    prefix = f"{WORK_PREFIX}{host_tag()}-{os.getpid()}-"
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=folder.parent))
     work.chmod(0o755)  # mkdtemp makes it private; the copy is as readable as the file
     try:
         write_folder(path, work)
@@ -100,21 +110,59 @@ def converted_folder(path: Path) -> Path:
         except OSError:  # another process converted it meanwhile: use theirs
             if not (folder / "config.json").is_file():
                 raise
+    except GGUFError as e:
+        e.args = (f"model {path}: {e}",)  # the same error (and cause), naming the file
+        raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return folder
 
 
+def host_tag() -> str:
+    """This host's name as a work folder spells it (no ``-``: the name is split on it); a
+    pid is only meaningful on its own host, and the cache may be on a shared disk."""
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+
+
+def remove_stale_work(root: Path) -> None:
+    """Remove the work folders of conversions that died midway: this host's whose process
+    is gone, and unowned ones (no pid in the name) a day old. A live one is left alone."""
+    for work in root.glob(f"{WORK_PREFIX}*"):
+        host, _, rest = work.name[len(WORK_PREFIX) :].partition("-")
+        pid = rest.partition("-")[0]
+        if pid.isdigit():
+            stale = host == host_tag() and not pid_alive(int(pid))
+        else:
+            try:
+                stale = time.time() - work.stat().st_mtime > UNOWNED_STALE_S
+            except OSError:
+                continue
+        if stale:
+            log.info("gguf: removing %s, left by a conversion that did not finish", work)
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts: signalling it is refused)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def write_folder(path: Path, folder: Path) -> None:
     """Convert GGUF ``path`` into an mlx-lm folder at ``folder``."""
     import mlx.core as mx
-    from gguf import GGUFReader
 
     from mlxq.engine.models.gguf_tokenizer import write_tokenizer
 
-    reader = GGUFReader(str(path))
+    read_header(path, ARCHITECTURES)  # a damaged file stops here, in one line
+    reader = open_reader(path)
     meta = Metadata(reader)
-    model_type, permuted = architecture(meta, path)
+    model_type, permuted = architecture(meta)
     config = model_config(meta, model_type, reader)
     weights, quantized = tensors(reader, config, permuted)
     config.update(write_tokenizer(meta, folder))
@@ -143,12 +191,12 @@ class Metadata:
         return self.get(f"{self.arch}.{key}", default)
 
 
-def architecture(meta: Metadata, path: Path) -> tuple[str, bool]:
+def architecture(meta: Metadata) -> tuple[str, bool]:
     """mlx-lm's model_type for the file, and whether q/k rows are permuted; one-line refusal
     otherwise."""
     if meta.arch not in ARCHITECTURES:
         raise GGUFError(
-            f"model {path}: GGUF architecture {meta.arch or '(none)'!r} is not supported; "
+            f"GGUF architecture {meta.arch or '(none)'!r} is not supported; "
             f"mlxq reads {', '.join(ARCHITECTURES)} GGUFs (or pass an mlx-lm folder or hub id)"
         )
     return ARCHITECTURES[meta.arch]

@@ -12,10 +12,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import struct
 from pathlib import Path
 from typing import Any
 
-from mlxq.engine.models.gguf import converted_folder, is_gguf
+from mlxq.engine.models.gguf import GGUFError, converted_folder, is_gguf
 from mlxq.errors import StartupError, one_line
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -65,8 +66,10 @@ def gguf_folder(path: Path, name: str) -> Path:
         folder = converted_folder(path)
     except ImportError as e:
         raise ModelError(f"model {name}: reading GGUF needs {one_line(e)}") from e
-    except (ValueError, KeyError, TypeError, OSError, RuntimeError) as e:
-        # ValueError: GGUFError and gguf's reader on a corrupt or truncated file.
+    except GGUFError as e:  # a damaged or unsupported file, already one line naming it
+        raise ModelError(" ".join(str(e).split())) from e
+    except (ValueError, KeyError, IndexError, TypeError, OSError, RuntimeError, struct.error) as e:
+        # What the checks do not foresee (the tokenizer's metadata, an unreadable file).
         raise ModelError(f"model {name}: cannot read this GGUF file: {one_line(e)}") from e
     check_model_folder(folder, name)
     return folder
