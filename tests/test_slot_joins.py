@@ -120,3 +120,20 @@ def test_pick_group_seats_samples_in_free_slots_in_arrival_order() -> None:
     assert jobs == [second, *rest]
     assert pick_group(jobs, 8, None, free=5) == [second, rest[0]]
     assert pick_group(jobs, 8, None) == rest[1:]  # (no slot count: as many as ``limit``)
+
+
+def test_pick_group_prefills_a_job_marked_alone_by_itself() -> None:
+    """The jobs of a group whose prefill failed are marked ``alone``: each is a group of
+    one, so a failure one of them causes fails no other; the rest group as before."""
+    jobs = _waiting(10, 12, 11, 10)
+    for w in jobs[:2]:
+        w.alone = True
+    first, second, rest = jobs[0], jobs[1], jobs[2:]
+    assert pick_group(jobs, 8, None) == [first]
+    assert pick_group(jobs, 8, None) == [second]
+    assert pick_group(jobs, 8, None) == rest
+    later = _waiting(10, 10, 10)
+    later[1].alone = True
+    a, alone, c = later
+    assert pick_group(later, 8, None) == [a, c]  # it waits for its own call
+    assert later == [alone]

@@ -51,6 +51,10 @@ def _parts(x: Stored) -> tuple[mx.array, ...]:
     return x if isinstance(x, tuple) else (x,)
 
 
+class LayoutRefused(ValueError):
+    """A layout :meth:`SlotCache.resize` cannot make, refused before anything changed."""
+
+
 class SlotCache:
     """Keys and values of every layer for up to ``slots`` rows; allocated at the first
     write, as many rows as written or asked for (:meth:`resize`).
@@ -125,7 +129,8 @@ class SlotCache:
         write: the shape to allocate. Slots past the arrays' rows (taken by a joining
         group, not yet written) come last in ``order`` and start as zeros. One copy per
         layer, each evaluated before the next, so the old layer is freed as the new one
-        is made (peak: one layer over the larger of the two)."""
+        is made (peak: one layer over the larger of the two). Raises
+        :class:`LayoutRefused`, the cache as it was, if the layout cannot hold the rows."""
         moved = order if order is not None else range(min(rows, self.rows))
         kept = [s for s in moved if s < self.rows]
         dropped = range(rows, self.rows) if order is None else ()
@@ -135,7 +140,7 @@ class SlotCache:
             or kept != list(moved[: len(kept)])
             or not set(dropped) <= set(self._free)
         ):
-            raise ValueError(f"cannot lay {len(moved)} rows out in {rows} of {self.slots}")
+            raise LayoutRefused(f"cannot lay {len(moved)} rows out in {rows} of {self.slots}")
         if not self.keys:
             self._wanted = (rows, capacity)
         else:
@@ -161,12 +166,15 @@ class SlotCache:
 
     def write(self, slots: list[int], layer: int, keys: mx.array, values: mx.array) -> None:
         """Write ``[len(slots), kv_heads, n, dim]`` keys and values at positions ``0..n-1``
-        (rows added where a slot lies past them)."""
+        (rows added where a slot lies past them). The first write allocates the arrays
+        (their shape and dtype are the keys'), even with ``n`` = 0, which writes nothing."""
         n, high = keys.shape[2], max(slots) + 1
         if not self.keys:
             self._allocate(keys, values, max(high, self._wanted[0]), max(n, self._wanted[1]))
         if high > self.rows:
             self.resize(high, self.capacity)
+        if not n:
+            return
         self.reserve(n)
         first = slots[0]
         if slots == list(range(first, first + len(slots))):  # the usual case: a slice

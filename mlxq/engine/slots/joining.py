@@ -4,10 +4,13 @@ A mixin of :class:`~mlxq.engine.slots.engine.SlotEngine` (the engine's state is 
 the policy of when a group joins and which jobs it holds is :mod:`mlxq.engine.slots.joins`
 (plain Python); the prefill itself is :mod:`mlxq.engine.slots.prefill`. A job of ``n``
 samples is prefilled once and seated in ``n`` rows (:mod:`mlxq.engine.slots.samples`).
+A group whose prefill fails leaves the decoding rows as they were; its jobs are then
+prefilled one by one, so that only a job whose own prefill fails ends in error.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,11 +21,14 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlxq.engine.distributed.channel import peer_lost
 from mlxq.engine.prompts import error_line
 from mlxq.engine.sampling import Completion, RunningJob, make_job_sampler
+from mlxq.engine.slots.cache import LayoutRefused
 from mlxq.engine.slots.decode import Row
 from mlxq.engine.slots.joins import JoinPolicy, Waiting, join_due, pick_group
 from mlxq.engine.slots.prefill import prefill_group
 from mlxq.engine.slots.prefill_shapes import group_rows
 from mlxq.engine.slots.samples import Samples
+
+log = logging.getLogger("mlxq.engine.slots.engine")
 
 
 class Joining:
@@ -83,6 +89,8 @@ class Joining:
             self._stats.decode_seconds += time.perf_counter() - tic
         try:
             slots = self._room_for(slots, max(len(w.run.prompt) for w in group))
+        except LayoutRefused as exc:  # (refused before any copy: the decoding jobs go on)
+            return self._failed(group, slots, exc)
         except Exception as exc:  # (a cache half laid out: every decoding job fails)
             return self._drop(group, slots, exc) + self._fail_batch(exc)
         tic = time.perf_counter()
@@ -99,7 +107,7 @@ class Joining:
             )
         except Exception as exc:
             mx.clear_cache()
-            return self._drop(group, slots, exc)
+            return self._failed(group, slots, exc)
         self._stats.prefilled_tokens += sum(len(s) for s in suffixes)
         self._stats.prefill_calls += 1
         self._stats.prefill_seconds += time.perf_counter() - tic
@@ -110,6 +118,26 @@ class Joining:
                 w.plan.owner.store(w.plan, rows.row(i), w.run.prompt[:store_to], w.run.prompt)
             self._seat(w, slots[at : at + w.rows])
             at += w.rows
+        return []
+
+    def _failed(self, group: list[Waiting], slots: list[int], exc: Exception) -> list[Completion]:
+        """A group whose prefill failed (the decoding rows untouched): a job alone fails;
+        the jobs of a group of several go back to the front of the line, each to be
+        prefilled alone (:attr:`Waiting.alone`), so that a failure one of them causes (a
+        prompt too big for memory) fails that one only, and the others start."""
+        if len(group) == 1 or peer_lost(exc):
+            return self._drop(group, slots, exc)
+        log.warning(
+            "the prefill of %d jobs together failed (%s): prefilling each alone",
+            len(group),
+            error_line(exc),
+        )
+        for slot in slots:
+            self._cache.free(slot)
+        for w in group:
+            w.alone = True
+        self._waiting[:0] = group
+        self._waiting_keys.update(w.run.job.key for w in group)
         return []
 
     def _drop(self, group: list[Waiting], slots: list[int], exc: Exception) -> list[Completion]:

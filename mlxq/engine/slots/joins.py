@@ -10,7 +10,8 @@ Plain Python (no MLX): the slot engine hands in its waiting list and counts.
   prefill call: the same cached prefix (if any) and prompts left to prefill within 2x
   (or 64 tokens) of the first one's, so right-padding wastes little; with a token budget,
   as many as one prefill call of that many tokens holds; a job of ``n`` samples takes ``n``
-  of the free slots.
+  of the free slots; a job whose group's prefill failed (:attr:`Waiting.alone`) goes in a
+  group of its own, so that a failure one job causes fails that job only.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Waiting:
     planned: bool = False
     since_step: int = 0  # the engine's step count when it arrived
     rows: int = 1  # slots it takes: one per sample (its prompt is prefilled once)
+    alone: bool = False  # prefilled in a group of its own (its group's prefill failed)
 
 
 def similar(n: int, base: int) -> bool:
@@ -109,14 +111,16 @@ def pick_group(
             w.planned = True
         leaf = w.plan.reused[-1] if w.plan is not None and w.plan.reused else None
         n = len(w.run.prompt) - (w.plan.reused_tokens if w.plan is not None else 0)
-        if group and (leaf is not key or not similar(n, base)):
-            continue  # another cached prefix, or padding it would waste: a later group
+        if group and (w.alone or leaf is not key or not similar(n, base)):
+            continue  # alone, another cached prefix, or padding it would waste: later
         if group and tokens and (len(group) + 1) * min(max(longest, n), step) > tokens:
             break
         if not group:
             key, base = leaf, n
         longest, rows = max(longest, n), rows + w.rows
         group.append(w)
+        if w.alone:
+            break
     for w in group:
         waiting.remove(w)
     return group

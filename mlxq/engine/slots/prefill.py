@@ -55,31 +55,37 @@ def prefill_group(
     :mod:`~mlxq.engine.slots.prefill_shapes` sizes (dummy rows are never written). With
     ``copies``, prompt ``i`` is written into ``copies[i]`` consecutive slots (the samples
     of one job: one prefill, n rows). Returns the temporary cache (real rows first);
-    ``cache.lengths`` is set for each slot.
+    ``cache.lengths`` is set for each slot; the cache's arrays exist afterwards, even
+    where nothing was written (every prompt one token long).
     """
     copies = copies or [1] * len(suffixes)
     rows = len(suffixes)
     longest = max(len(s) for s in suffixes)
-    width, height = longest, rows
+    start = prefix[0].offset if prefix is not None else 0
+    end = start + longest
+    # Nothing to write (one-token prompts, no prefix: each starts at its first decode
+    # step) into a cache whose arrays do not exist yet (an idle engine drops them): they
+    # take their shape and dtype from the model's keys, so one pad position goes through
+    # the model, its keys only a template (written nowhere), and the cache is allocated.
+    template = not end and not cache.keys
+    width, height = max(longest, int(template)), rows
     if buckets and longest:
         width, height = bucket_tokens(longest, step), bucket_rows(rows)
     temp = make_prompt_cache(model)
-    start = 0
     if prefix is not None:
         for c, p in zip(temp, prefix, strict=True):
             c.keys, c.values = _rows_of(p.keys, height, width), _rows_of(p.values, height, width)
-            c.offset = start = p.offset
-    if longest:
+            c.offset = p.offset
+    if width:
         padded = [s + [0] * (width - len(s)) for s in suffixes]
         tokens = mx.array(padded + [[0] * width] * (height - rows))
         for at in range(0, width, step):
             model(tokens[:, at : at + step], cache=temp)
             mx.eval([a for c in temp for a in (c.keys, c.values)])
-    end = start + longest
     # Each slot's source row: 0..rows-1, or each row repeated for its copies (a gather).
     source = [i for i, k in enumerate(copies) for _ in range(k)]
     picked = None if len(source) == rows else mx.array(source)
-    if end:
+    if end or template:
         cache.reserve(end + 1)
         for layer, c in enumerate(temp):
             keys, values = c.keys[:rows, :, :end, :], c.values[:rows, :, :end, :]
