@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,29 @@ def test_small_workers_share_a_machine_and_a_dead_ones_record_is_ignored(
     fleet.publish(conn, record("gone", ended.pid, 12 * 2**30), ttl=30)
     fleet.publish(conn, record("alive", 1, 12 * 2**30), ttl=30)  # init: always running
     assert [w.name for w in neighbours(conn)] == ["alive"]
+
+
+def test_two_workers_started_at_the_same_moment_share_the_memory(
+    long_model, valkey_url, conn, tmp_path
+):
+    """Each claims its share before its model loads, so neither takes what the other
+    claimed: together they stay within the machine's 75 %, whatever the timing."""
+    from mlxq.broker import fleet
+
+    args = ("--memory-fraction", "0.4")
+    both = [Worker(valkey_url, long_model, *args, log=tmp_path / f"{i}.log") for i in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        while len(fleet.live_workers(conn)) < 2:
+            assert all(w.proc.poll() is None for w in both), [w.log.read_text() for w in both]
+            assert time.monotonic() < deadline, "the workers did not start"
+            time.sleep(0.1)
+        infos = fleet.live_workers(conn)
+    finally:
+        logs = [w.stop() for w in both]
+    memory = infos[0].memory_bytes
+    held = sorted(w.memory_claimed_bytes for w in infos)
+    assert sum(held) <= 0.75 * memory * 1.01, (held, memory)
+    assert held[1] == pytest.approx(0.4 * memory, rel=0.01)  # the first to claim: its own
+    assert held[0] == pytest.approx(0.35 * memory, rel=0.01)  # the other: what is left
+    assert any("starting)" in log or "live worker(s) on this host's memory" in log for log in logs)

@@ -96,6 +96,12 @@ def models_seen() -> str:
 SEEN_FOR_S = 7 * 24 * 3600
 
 
+def starting_workers(host: str) -> str:
+    """Hash of the workers of ``host`` that claimed their memory and are loading: pid ->
+    JSON (name, pid, memory fraction); see ``mlxq.worker.sharing``."""
+    return f"{PREFIX}:starting:{host}"
+
+
 def workers() -> str:
     """Set of worker names that have published info (stale names are pruned on read)."""
     return f"{PREFIX}:workers"

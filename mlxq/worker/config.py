@@ -30,7 +30,7 @@ from mlxq.engine.scheduler import (
 from mlxq.errors import StartupError
 from mlxq.wire import ModelInfo, WorkerInfo
 from mlxq.worker.profile import STALL_TIMEOUT_S, WorkerProfile
-from mlxq.worker.sharing import Share, share
+from mlxq.worker.sharing import Share, Starting, share
 
 log = logging.getLogger("mlxq.worker")
 
@@ -103,18 +103,20 @@ def resolve(
     info: ModelInfo,
     neighbours: Sequence[WorkerInfo] = (),
     resident_bytes: int = 0,
+    starting: Sequence[Starting] = (),
 ) -> WorkerConfig:
     """The configuration of a worker serving ``info``'s model on ``facts``' machine, beside
     ``neighbours`` (the live workers of this host: their memory is not this one's) and the
-    ``resident_bytes`` of weights of its other models that it keeps loaded."""
+    ``resident_bytes`` of weights of its other models that it keeps loaded (and the workers
+    of this host still loading, ``starting``)."""
     if not profile.model and not info.name:
         raise ValueError("no model: pass --model (a local folder or a hub id) or a --profile")
     if profile.kv_bits is not None:  # the scheduler sizes batches on the quantized bytes
         kv = quantized_kv_bytes(info.kv_bytes_per_token, info.dtype, info.head_dim, profile.kv_bits)
         info = msgspec.structs.replace(info, kv_bytes_per_token=kv)
-    room = share(facts, profile.memory_fraction, list(neighbours))
+    room = share(facts, profile.memory_fraction, list(neighbours), tuple(starting))
     total = memory_budget(room.limit_bytes - resident_bytes, info.param_bytes, 1.0)
-    if room.others and total < info.kv_bytes_per_token * min(
+    if room.crowded and total < info.kv_bytes_per_token * min(
         info.context_length, PLANNED_JOB_TOKENS
     ):
         raise StartupError(_no_room(room, info))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -50,9 +51,13 @@ class Setup:
         if not profile.model:
             raise ValueError("no model: pass --model (a local folder or a hub id) or a --profile")
         self.profile = profile
-        self.neighbours = sharing.neighbours(conn) if conn is not None else []
         queues_by_model(profile)  # several models of one queue name: refused before loading
-        self.models = ModelSet(profile, self.neighbours)
+        # The memory claimed before the model loads: a worker started at the same moment
+        # sees it (``sharing``).
+        name = profile.name or f"pid {os.getpid()}"
+        starting = sharing.claim_start(conn, name, profile.memory_fraction) if conn else []
+        self.neighbours = sharing.neighbours(conn) if conn is not None else []
+        self.models = ModelSet(profile, self.neighbours, starting)
         if conn is not None:  # found and checked: announced to `mlxq api` while it loads
             with contextlib.suppress(redis.RedisError):
                 fleet.announce(conn, profile.served(), list(worker_queues(profile)))
@@ -144,7 +149,7 @@ def _log_sizing(config: WorkerConfig) -> None:
         config.prefix_cache_bytes / 2**30,
     )
     room = config.share
-    if room is not None and room.others:
+    if room is not None and room.crowded:
         log.info(
             "memory: %s; this worker holds %.1f GiB (weights + KV budget + prefix cache)",
             room.describe(),

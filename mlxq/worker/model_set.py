@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from mlxq.wire import ModelInfo, WorkerInfo
 from mlxq.worker.config import WorkerConfig, resolve
 from mlxq.worker.model_choice import to_unload
 from mlxq.worker.profile import WorkerProfile
-from mlxq.worker.sharing import share
+from mlxq.worker.sharing import Starting, share
 
 log = logging.getLogger("mlxq.worker")
 
@@ -44,9 +45,15 @@ class _Loaded:
 class ModelSet:
     """The models of a profile (``WorkerProfile.served``), found on disk, loaded on demand."""
 
-    def __init__(self, profile: WorkerProfile, neighbours: list[WorkerInfo]) -> None:
+    def __init__(
+        self,
+        profile: WorkerProfile,
+        neighbours: list[WorkerInfo],
+        starting: Sequence[Starting] = (),
+    ) -> None:
         self.profile = profile
         self.neighbours = neighbours  # this host's live workers when this one started
+        self.starting = tuple(starting)  # and those still loading then
         self.paths = {m: resolve_model(m) for m in profile.served()}
         if profile.adapter_path is not None:
             check_adapter(profile.adapter_path)
@@ -57,7 +64,8 @@ class ModelSet:
     def prepare(self, name: str, facts: DeviceFacts) -> tuple[Any, Any, WorkerConfig]:
         """(On the MLX thread.) ``name``'s model and tokenizer, loaded unless kept, and its
         configuration beside the weights kept loaded; what does not fit is unloaded first."""
-        limit = share(facts, self.profile.memory_fraction, self.neighbours).limit_bytes
+        fraction = self.profile.memory_fraction
+        limit = share(facts, fraction, self.neighbours, self.starting).limit_bytes
         if self._loaded and name not in self._loaded:  # room by its size on disk, first
             self._unload(name, limit, _disk_bytes(self.paths[name]))
         loaded = self._loaded.pop(name, None) or self._load(name, facts)
@@ -66,7 +74,7 @@ class ModelSet:
         others = sum(m.info.param_bytes for n, m in self._loaded.items() if n != name)
         if (name, others) not in self._configs:  # (resolved once: it logs its choices)
             profile = msgspec.structs.replace(self.profile, model=name)
-            config = resolve(profile, facts, loaded.info, self.neighbours, resident_bytes=others)
+            config = resolve(profile, facts, loaded.info, self.neighbours, others, self.starting)
             self._configs[name, others] = config
         return loaded.model, loaded.tokenizer, self._configs[name, others]
 
