@@ -121,6 +121,12 @@ def worker_options(f: Callable) -> Callable:
             f"puts them back and exits with status {STALLED_EXIT} [default: "
             f"{STALL_TIMEOUT_S['metal']:g} on a GPU, {STALL_TIMEOUT_S['cpu']:g} on the CPU].",
         ),
+        click.option(
+            "--keep-awake/--no-keep-awake",
+            default=None,
+            help="Keep the Mac from idle sleep while the worker has jobs, as `caffeinate -i` "
+            "does; no effect on Linux or other systems [default: on].",
+        ),
         log_level_option("info"),
         click.option(
             "--log-format",

@@ -66,6 +66,9 @@ class WorkerProfile(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # With several models: seconds a model stays loaded while its queues have work before
     # another model's waiting jobs take the worker (bounds switching back and forth).
     min_model_seconds: Annotated[float, Meta(ge=0.0)] = 60.0
+    # macOS: hold off idle sleep while the worker holds jobs (mlxq.worker.keep_awake);
+    # does nothing on other systems.
+    keep_awake: bool = True
 
     def __post_init__(self) -> None:
         if not self.hosts and (self.backend != "ring" or self.parallel != "auto"):

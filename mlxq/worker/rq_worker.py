@@ -30,6 +30,7 @@ from mlxq.engine.runner import Runner
 from mlxq.engine.sampling import Completion
 from mlxq.wire import Result
 from mlxq.worker import watchdog
+from mlxq.worker.keep_awake import KeepAwake
 from mlxq.worker.outage import WRITE_REFUSALS, Outage, ServerWatch, refuses_writes, while_refused
 from mlxq.worker.outcomes import InFlight, build_result
 from mlxq.worker.profile import DEFAULTS, STALL_TIMEOUT_S
@@ -65,6 +66,7 @@ class MlxqWorker(JobIntake, BaseWorker):
         grace_period: float = DEFAULTS.grace_period,
         stall_timeout: float = STALL_TIMEOUT_S["metal"],
         max_result_bytes: int = MAX_RESULT_BYTES,
+        keep_awake: bool = DEFAULTS.keep_awake,
     ) -> None:
         # Heartbeats every third of `abandon_after`: a job whose worker misses three is
         # put back on its queue by the other workers.
@@ -85,6 +87,7 @@ class MlxqWorker(JobIntake, BaseWorker):
         self.stall_timeout = stall_timeout
         self.stalled = False
         self.awake = watchdog.Awake()
+        self.keep_awake = KeepAwake.for_worker(keep_awake, self.name)  # macOS: no idle sleep
         self.inflight: dict[str, InFlight] = {}
         # Ended jobs (and stream output) not yet written to Redis; results over the tightest
         # of max_result_bytes and the server's limits fail their job instead.
@@ -158,6 +161,7 @@ class MlxqWorker(JobIntake, BaseWorker):
             self._on_stall(e)
             raise
         finally:
+            self.keep_awake.release()
             release_all(self, self.inflight, self.runner, self.owed, self.reporter)
             if not self.stalled:  # a hung MLX thread never joins: do not wait for it
                 self.runner.stop()
@@ -189,6 +193,7 @@ class MlxqWorker(JobIntake, BaseWorker):
         holding = self.switcher is not None and self.switcher.holding(self)
         closed = self.intake_paused or holding
         pulled = 0 if closed else self._pull(block=not busy and not burst)
+        self.keep_awake.set(bool(self.inflight or self.owed))  # (acts only on a change)
         if burst and not pulled and not self.inflight and not closed:
             self.log.info("Worker %s: queues empty, nothing in flight: done", self.name)
             return True
