@@ -54,8 +54,7 @@ class Setup:
         queues_by_model(profile)  # several models of one queue name: refused before loading
         # The memory claimed before the model loads: a worker started at the same moment
         # sees it (``sharing``).
-        name = profile.name or f"pid {os.getpid()}"
-        starting = sharing.claim_start(conn, name, profile.memory_fraction) if conn else []
+        starting = self._claim(profile, conn) if conn is not None else []
         self.neighbours = sharing.neighbours(conn) if conn is not None else []
         self.models = ModelSet(profile, self.neighbours, starting)
         if conn is not None:  # found and checked: announced to `mlxq api` while it loads
@@ -64,6 +63,17 @@ class Setup:
         self.config: WorkerConfig | None = None  # set on the MLX thread: the loaded model's
         self._sized: list[WorkerConfig] = []  # the configurations whose sizing was logged
         self.runner = Runner(self._engine, self._scheduler)
+
+    @staticmethod
+    def _claim(profile: WorkerProfile, conn: redis.Redis) -> list[sharing.Starting]:
+        """This worker's memory claim, and the claims of the others loading (none where
+        Redis refuses the write: a full Redis, which the worker then waits for)."""
+        try:
+            name = profile.name or f"pid {os.getpid()}"
+            return sharing.claim_start(conn, name, profile.memory_fraction)
+        except redis.ResponseError as e:
+            log.warning("could not claim this worker's memory share before loading: %s", e)
+            return []
 
     def start(self) -> WorkerConfig:
         """Start the MLX thread, load and warm up the model; the resolved configuration."""
@@ -206,6 +216,7 @@ def run_worker(
         max_result_bytes=profile.max_result_bytes,
         grace_period=config.grace_period,
         stall_timeout=config.stall_timeout,
+        keep_awake=profile.keep_awake,
     )
     worker.on_finish = on_finish
     worker.reporter = _reporter(worker, config, metrics, profile.served())
