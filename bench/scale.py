@@ -112,6 +112,22 @@ def results_cli(url: str, batch_id: str, out: Path) -> tuple[float, float]:
     return seconds, int(proc.stderr.strip().splitlines()[-1]) / 1024
 
 
+def status_cli(url: str, batch_id: str, repeat: int = 20) -> float:
+    """Median seconds of `mlxq status BATCH --json` run in this process (connecting and
+    the unaccounted-jobs check included; no interpreter start)."""
+    from click.testing import CliRunner
+
+    from mlxq.cli.status import status
+
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        done = CliRunner().invoke(status, [batch_id, "--json", "--redis-url", url])
+        times.append(time.perf_counter() - start)
+        assert done.exit_code == 0, done.output
+    return sorted(times)[len(times) // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=100_000)
@@ -139,6 +155,7 @@ def main() -> None:
         q.submit(conn, reqs, queue="same")
         same_rate = args.small / (time.perf_counter() - start)
         status = {k: timed(lambda b=b: q.batch_status(conn, b), 50) for k, b in batches.items()}
+        command = {k: status_cli(url, batches[k]) for k in ("big", "tiny")}
         counted = timed(lambda: q.count_jobs(conn, batches["big"]), 1)
         before = conn.info("memory")["used_memory"]
         start = time.perf_counter()
@@ -167,6 +184,11 @@ def main() -> None:
         f"  batch_status: {status['big'] * 1e3:.2f} ms for {args.jobs:,} jobs, "
         f"{status['tiny'] * 1e3:.2f} ms for {args.tiny} ({status['big'] / status['tiny']:.2f}x); "
         f"counting job by job: {counted:.2f} s ({counted / status['big']:,.0f}x the counters)"
+    )
+    print(
+        f"  mlxq status --json (in process, its unaccounted-jobs check included): "
+        f"{command['big'] * 1e3:.1f} ms for {args.jobs:,} queued jobs, "
+        f"{command['tiny'] * 1e3:.1f} ms for {args.tiny}"
     )
     print(f"  ending {args.jobs:,} jobs as a worker does: {args.jobs / finish_s:,.0f} jobs/s")
     print(

@@ -75,3 +75,44 @@ def test_log_level_info_shows_the_workers_decisions(tmp_path, tiny_model):
     assert " INFO " not in quiet.stderr  # the default: a progress bar, no per-job lines
     assert " INFO mlxq.worker: device: " in told.stderr
     assert " INFO mlxq.worker: model: " in told.stderr
+
+
+def _refused(tmp_path: Path, lines: list[dict], model: str, *args: str) -> tuple[str, Path]:
+    """``mlxq run`` refused at start, with its home in ``tmp_path``: its one-line error
+    (asserted: exit 1, no traceback) and the home."""
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    src = _write(tmp_path / "in.jsonl", lines)
+    args = ("run", str(src), "--model", model, "-o", str(tmp_path / "out.jsonl"), *args)
+    run = run_mlxq(*args, env={**ENV, "HOME": str(home)})
+    err = run.stderr.strip()
+    assert run.returncode == 1 and "Traceback" not in err, err
+    assert len(err.splitlines()) == 1 and err.startswith("mlxq: error: "), err
+    return err, home
+
+
+def test_a_run_refused_for_a_missing_model_leaves_no_folder(tmp_path):
+    err, home = _refused(tmp_path, [{"prompt": "Hi"}], str(tmp_path / "missing"))
+    assert "no such folder" in err
+    assert not (home / ".mlxq").exists(), list(home.rglob("*"))
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_run_refused_for_a_line_naming_an_unknown_model_leaves_no_folder(tmp_path, tiny_model):
+    lines = [{"prompt": "Hi"}, {"prompt": "Hi", "model": "no-such-model"}]
+    err, home = _refused(tmp_path, lines, tiny_model)
+    assert "1 request names model 'no-such-model'" in err
+    assert not (home / ".mlxq").exists(), list(home.rglob("*"))
+
+
+def test_a_refused_run_keeps_a_data_folder_it_did_not_make(tmp_path):
+    """A folder that was there before (an earlier run's, to resume) stays as it was; its
+    parents too."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "earlier").write_text("kept")
+    _refused(tmp_path, [{"prompt": "Hi"}], str(tmp_path / "missing"), "--data-dir", str(data))
+    assert (data / "earlier").read_text() == "kept"
+    made = tmp_path / "made" / "data"  # made by this run: removed, with its new parent
+    _refused(tmp_path, [{"prompt": "Hi"}], str(tmp_path / "missing"), "--data-dir", str(made))
+    assert not (tmp_path / "made").exists()

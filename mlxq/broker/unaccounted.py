@@ -6,10 +6,13 @@ know: a job whose status says ``queued`` or ``started`` while no list or registr
 marked the first time a sweep sees it, and put back on its queue, once, when a later sweep
 sees it so ``grace_s`` (a worker's ``--abandon-after``) on.
 
-It is cheap while nothing is lost: per queue, one transaction compares the batches' queued
-and started counters with how many entries the queue's places hold; only a queue whose
-counters say more jobs than its places hold is read job by job. One worker of the fleet
-runs it per interval (a lock), so a fleet of many workers costs the same as one.
+It is cheap while nothing is lost: per queue, the batches' queued and started counters are
+compared with how many entries the queue's places hold; only a queue whose counters say
+more jobs than its places hold is read job by job. One worker of the fleet runs it per
+interval (a lock), so a fleet of many workers costs the same as one.
+
+``mlxq status`` reports such jobs (:func:`survey`) with plain reads only, so that it answers
+on a full Redis, and bounded work whatever the batch's size.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import msgspec
 import redis
@@ -29,6 +33,9 @@ log = logging.getLogger("mlxq.broker.recovery")
 
 _info = msgspec.json.Decoder(BatchInfo)
 LIVE = ("queued", "started")
+LIST_LIMIT = 100  # the most ids `mlxq status` lists
+# The most jobs `mlxq status` reads one by one (only when the counters say some are lost).
+SCAN_LIMIT = 20_000
 
 
 def sweep(conn: redis.Redis, queues: Iterable[str], grace_s: float, every_s: float) -> list[str]:
@@ -59,14 +66,84 @@ def sweep(conn: redis.Redis, queues: Iterable[str], grace_s: float, every_s: flo
     return moved
 
 
-def find(conn: redis.Redis, batch_id: str) -> list[str]:
+@dataclass(frozen=True)
+class Unaccounted:
+    """What ``mlxq status`` reports of a batch: ``ids`` of jobs that nothing holds (at most
+    ``LIST_LIMIT``), and ``count``, how many there are (at least, unless ``exact``)."""
+
+    ids: list[str] = field(default_factory=list)
+    count: int = 0
+    exact: bool = True
+
+
+def survey(conn: redis.Redis, batch_id: str) -> Unaccounted:
     """The batch's jobs that wait or run by their status while no list or registry holds
-    them right now (empty for a batch with nothing left to run)."""
+    them right now, for ``mlxq status``: plain reads only (it works on a full Redis, and
+    writes nothing).
+
+    Bounded: a few round trips compare, per queue, the batch's queued and started counters
+    with how many entries the places that can hold its jobs there hold (its lane, the
+    queue's list, intermediate list and started registry); only where the counters say
+    more jobs than those hold does it read jobs one by one, at most ``SCAN_LIMIT`` of them
+    in input order, and it lists at most ``LIST_LIMIT``. A lost job hidden by other
+    batches' entries in the queue's shared places is not seen here; the workers' sweep,
+    which counts every batch of the queue, still finds it and puts it back."""
     raw = conn.get(keys.batch_info(batch_id))
-    if raw is None or _owed(conn, [batch_id]) == 0:
-        return []
-    held = set().union(*(whereabouts.held_ids(conn, q) for q in _info.decode(raw).queues()))
-    return _unheld(conn, batch_id, held)
+    if raw is None:
+        return Unaccounted()
+    queues = _info.decode(raw).queues()
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.hgetall(keys.batch_counts(batch_id))
+        pipe.llen(keys.batch_jobs(batch_id))
+        counts, listed = pipe.execute()
+    total, per_queue = counters.read_counts(counts), counters.read_queue_counts(counts)
+    owed = {q: sum(per_queue.get(q, total)[b] for b in LIVE) for q in queues}
+    if sum(owed.values()) == 0:
+        return Unaccounted()
+    room = whereabouts.room_for(conn, batch_id, queues)
+    short = {q: owed[q] - room[q] for q in queues if owed[q] > room[q]}
+    if not short:
+        return Unaccounted()
+    # Jobs listed before the places are read never enter a lane again: only those are read.
+    held = {q: whereabouts.held_ids(conn, q, batch_id, atomic=False) for q in short}
+    ids, scanned = _scan(conn, batch_id, held, min(listed, SCAN_LIMIT))
+    exact = scanned >= listed
+    count = len(ids) if exact else max(len(ids), sum(short.values()))
+    return Unaccounted(ids[:LIST_LIMIT], count, exact)
+
+
+def find(conn: redis.Redis, batch_id: str) -> list[str]:
+    """The ids :func:`survey` lists (empty for a batch with nothing left to run)."""
+    return survey(conn, batch_id).ids
+
+
+def _scan(
+    conn: redis.Redis, batch_id: str, held: dict[str, set[str]], upto: int
+) -> tuple[list[str], int]:
+    """The batch's first ``upto`` jobs that are enqueued on a queue of ``held``, wait or
+    run by their status, and that its places hold not (confirmed atomically); and how
+    many jobs were read."""
+    found: list[str] = []
+    scanned = 0
+    while scanned < upto:
+        end = min(upto, scanned + batches.CHUNK) - 1
+        ids = [j.decode() for j in conn.lrange(keys.batch_jobs(batch_id), scanned, end)]
+        if not ids:
+            break
+        scanned += len(ids)
+        states = reads.job_states(conn, ids)
+        live = [
+            j
+            for j, s in zip(ids, states, strict=True)
+            if s in LIVE and not any(j in h for h in held.values())
+        ]
+        by_queue: dict[str, list[str]] = defaultdict(list)
+        for job_id, origin in zip(live, whereabouts.origins(conn, live), strict=True):
+            if origin in held:
+                by_queue[origin].append(job_id)
+        for queue, candidates in by_queue.items():
+            found += whereabouts.unheld(conn, queue, candidates)
+    return found, scanned
 
 
 def _unheld(

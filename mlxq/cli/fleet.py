@@ -12,7 +12,7 @@ import click
 import redis
 
 from mlxq.broker import fleet, keys
-from mlxq.cli.support import connect, describe_url, fail, redacted, redis_option
+from mlxq.cli.support import connect, describe_url, redis_errors, redis_option
 from mlxq.wire import WorkerInfo, json_encoder
 
 
@@ -118,12 +118,10 @@ def format_queues(queues: Sequence[fleet.QueueInfo]) -> str:
 def print_queue_overview(conn: redis.Redis, as_json: bool) -> None:
     """Every queue's depth, running, finished and failed counts and oldest job's wait.
 
-    ``--json`` prints a list of ``QueueInfo`` objects. Exits 1 on a Redis error.
+    ``--json`` prints a list of ``QueueInfo`` objects. Reads only (it answers on a full
+    Redis); the caller turns a Redis error into one line (``support.redis_errors``).
     """
-    try:
-        queues = fleet.queue_overview(conn)
-    except redis.RedisError as e:
-        fail(f"cannot read the queues: {e}")
+    queues = fleet.queue_overview(conn)
     if as_json:
         click.echo(json_encoder.encode(queues).decode())
     elif not queues:
@@ -142,10 +140,8 @@ def workers(as_json: bool, redis_url: str) -> None:
     heartbeat interval or so. --json prints the records workers publish (WorkerInfo).
     """
     conn = connect(redis_url)
-    try:
+    with redis_errors(redis_url):
         live = fleet.live_workers(conn)
-    except redis.RedisError as e:
-        fail(f"cannot read the workers: {redacted(str(e), redis_url)}")
     if as_json:
         click.echo(json_encoder.encode(live).decode())
     elif not live:

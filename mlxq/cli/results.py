@@ -1,5 +1,5 @@
-"""Reading a batch: ``mlxq results`` (write its results), ``mlxq status`` (its counts), and
-waiting on it with a progress bar (``--wait``)."""
+"""Reading a batch: ``mlxq results`` (write its results) and waiting on it with a progress
+bar (``--wait``); ``mlxq status`` is in :mod:`mlxq.cli.status`."""
 
 from __future__ import annotations
 
@@ -12,13 +12,12 @@ from pathlib import Path
 from typing import TextIO
 
 import click
-import msgspec
 import redis
 
 from mlxq.broker import batches as q
-from mlxq.broker import failures, fleet, routing, unaccounted
-from mlxq.cli.fleet import print_queue_overview
-from mlxq.cli.support import connect, fail, progress_bar, redis_option
+from mlxq.broker import failures, fleet, routing
+from mlxq.cli.status import status as status_command
+from mlxq.cli.support import connect, fail, progress_bar, redis_errors, redis_option
 from mlxq.cli.tables import emit_table
 from mlxq.formats.openai_output import ENDPOINTS, is_error, to_openai_line
 from mlxq.formats.table_output import TABLE_FORMATS
@@ -305,68 +304,14 @@ def results(
     or per sample of requests with n)."""
     out_fmt = output_format(output, fmt, endpoint, errors, with_input)
     conn = connect(redis_url)
-    try:
-        waited = wait_with_progress(conn, batch_id, timeout) if wait else None
-        write_output(conn, batch_id, output, out_fmt)
-    except q.BatchNotFound as e:
-        fail(str(e))
-    if waited is not None:
-        fail_on_failures(conn, waited, errors_at(output, out_fmt))
+    with redis_errors(redis_url):
+        try:
+            waited = wait_with_progress(conn, batch_id, timeout) if wait else None
+            write_output(conn, batch_id, output, out_fmt)
+        except q.BatchNotFound as e:
+            fail(str(e))
+        if waited is not None:
+            fail_on_failures(conn, waited, errors_at(output, out_fmt))
 
 
-@click.command()
-@click.argument("batch_id", required=False)
-@click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
-@redis_option
-def status(batch_id: str | None, as_json: bool, redis_url: str) -> None:
-    """Counts of a batch's jobs: total, queued, started, finished, failed.
-
-    Without BATCH_ID: every queue with its depth and the oldest job's age.
-    """
-    conn = connect(redis_url)
-    if batch_id is None:
-        print_queue_overview(conn, as_json)
-        return
-    try:
-        s = q.batch_status(conn, batch_id)
-    except q.BatchNotFound as e:
-        fail(str(e))
-    lost = unaccounted.find(conn, batch_id)
-    if as_json:
-        out = msgspec.to_builtins(s)
-        click.echo(json_encoder.encode({**out, "unaccounted": lost} if lost else out).decode())
-        return
-    click.echo(
-        f"batch {batch_id}: {s.done}/{s.total} done — {s.queued} queued, {s.started} "
-        f"running, {s.finished} finished, {s.failed} failed, {s.cancelled} cancelled; "
-        f"priority {s.priority}"
-    )
-    if len(s.models) > 1:  # a batch mixing models: each one's progress
-        for m in s.models:
-            c = m.counts
-            click.echo(
-                f"  {', '.join(m.models)} (queue {m.queue}): {m.done}/{m.total} done — "
-                f"{c['queued']} queued, {c['started']} running, {c['finished']} finished, "
-                f"{c['failed'] + c['expired']} failed, {c['cancelled']} cancelled"
-            )
-    if lost:
-        click.echo(
-            f"batch {batch_id}: {len(lost)} jobs wait or run by their status but no queue or "
-            "registry holds them; a worker's sweep puts them back on their queue after "
-            "--abandon-after seconds (see `mlxq status --json` for their ids)"
-        )
-    if s.state != "submitted":
-        click.echo(_incomplete(s, q.get_batch(conn, batch_id).source))
-
-
-def _incomplete(s: BatchStatus, source: str | None) -> str:
-    """What to say of a batch not fully enqueued."""
-    head = f"batch {s.batch_id}: only {s.enqueued} of {s.total} requests were enqueued"
-    if s.state == "cancelled":
-        return f"{head}; it was cancelled while being submitted"
-    if s.submitter_alive:
-        return f"batch {s.batch_id}: still being submitted ({s.enqueued} of {s.total} enqueued)"
-    return (
-        f"{head}: its submit stopped; finish it with `mlxq submit {source or 'FILE'} "
-        f"--resume {s.batch_id}`, or remove it with `mlxq cancel {s.batch_id}`"
-    )
+status = status_command  # `mlxq status` (in mlxq.cli.status), as mlxq.cli.main imports it

@@ -201,6 +201,7 @@ def _run(
     setups = [_setup(run_prof, conn, requests, model) for run_prof in runs]
     click.echo(f"loading {runs[0].model}", err=True)
     setups[0].start()
+    place.holds_batch = True  # from here an interrupted run resumes from its folder
     info = _batch(conn, found, requests, file, model, priority)
     done_before = q.batch_status(conn, info.batch_id).done
     start = time.monotonic()

@@ -35,12 +35,15 @@ _info_decoder = msgspec.json.Decoder(BatchInfo)
 class RunPlace:
     """Where a run's batch lives: the Redis URL, and the embedded server's data folder
     (None on a given Redis). ``complete``: set once the output is written, so a folder of
-    the run's own is removed."""
+    the run's own is removed. ``holds_batch``: set before the run submits (or resumes) its
+    batch; a data folder this run made is removed if the run ends before that (refused at
+    start: a model that cannot be found or loaded)."""
 
     url: str
     folder: Path | None
     own_folder: bool
     complete: bool = False
+    holds_batch: bool = False
 
     def kept(self) -> str:
         """Where an unfinished batch waits, for messages."""
@@ -67,6 +70,7 @@ def run_server(redis_url: str | None, data_dir: Path | None, own: Path) -> Itera
     from mlxq.server import DataDirInUse, make_server
 
     folder = data_dir or own
+    made = _missing(folder)  # what this run makes: removed again if it never holds a batch
     folder.mkdir(parents=True, exist_ok=True)
     server = make_server(data_dir=folder, persist=True)
     try:
@@ -86,6 +90,28 @@ def run_server(redis_url: str | None, data_dir: Path | None, own: Path) -> Itera
             server.stop(timeout=30)
         if place.complete and place.own_folder:
             shutil.rmtree(folder, ignore_errors=True)
+        elif made and not place.holds_batch:
+            _remove(made)
+
+
+def _missing(folder: Path) -> list[Path]:
+    """``folder`` and those of its parents that do not exist yet, innermost first."""
+    out = []
+    while not folder.exists() and folder != folder.parent:
+        out.append(folder)
+        folder = folder.parent
+    return out
+
+
+def _remove(made: list[Path]) -> None:
+    """Remove the folder a run made (``made[0]``), then each parent it made while empty
+    (another run may have put its own folder there meanwhile)."""
+    shutil.rmtree(made[0], ignore_errors=True)
+    for parent in made[1:]:
+        try:
+            parent.rmdir()
+        except OSError:
+            return
 
 
 @contextlib.contextmanager

@@ -219,6 +219,35 @@ def connect(url: str, *, writes_jobs: bool = False) -> redis.Redis:
     return conn
 
 
+FULL_FIX = (
+    "raise maxmemory (`CONFIG SET maxmemory <bytes>`) or free space (write finished batches "
+    "out with `mlxq results BATCH -o FILE`, then submit with a lower --result-ttl so "
+    "results expire sooner)"
+)
+
+
+def redis_problem(error: redis.RedisError, url: str) -> str:
+    """A Redis error as one line that says what to do: a full Redis (``noeviction`` at
+    ``maxmemory``) with the fix, a read-only replica, a lost connection, or the error."""
+    where = describe_url(url)
+    if isinstance(error, redis.OutOfMemoryError):
+        return f"Redis is full (maxmemory reached, noeviction) at {where}: {FULL_FIX}"
+    if isinstance(error, redis.ReadOnlyError):
+        return f"Redis at {where} is a read-only replica: point --redis-url at the primary"
+    if isinstance(error, (redis.ConnectionError, redis.TimeoutError)):
+        return f"lost Redis at {where} ({redacted(str(error), url)}); run the command again"
+    return f"Redis at {where}: {redacted(str(error), url)}"
+
+
+@contextlib.contextmanager
+def redis_errors(url: str) -> Iterator[None]:
+    """Exit 1 with :func:`redis_problem`'s one line on a Redis error inside the block."""
+    try:
+        yield
+    except redis.RedisError as e:
+        fail(redis_problem(e, url))
+
+
 def check_port_free(host: str, port: int, option: str) -> None:
     """Refuse, in one line, a port another process already listens on (before serving)."""
     if port == 0:

@@ -6,7 +6,7 @@ import click
 
 from mlxq.broker import keys
 from mlxq.broker.rq_store import reads
-from mlxq.cli.support import connect, fail, redis_option
+from mlxq.cli.support import connect, fail, redis_errors, redis_option
 from mlxq.wire import json_encoder
 
 
@@ -19,15 +19,16 @@ def tail(job_id: str, as_json: bool, redis_url: str) -> None:
     from mlxq.broker import streams
 
     conn = connect(redis_url)
-    if not reads.job_exists(conn, job_id) and not conn.exists(keys.stream(job_id)):
-        fail(f"no job {job_id!r} on this Redis (check the id and --redis-url)")
-    reason = None
-    for entry in streams.follow(conn, job_id):
-        if as_json:
-            click.echo(json_encoder.encode(entry).decode())
-        else:
-            click.echo(entry.text, nl=False)
-        reason = entry.finish_reason or reason
+    with redis_errors(redis_url):
+        if not reads.job_exists(conn, job_id) and not conn.exists(keys.stream(job_id)):
+            fail(f"no job {job_id!r} on this Redis (check the id and --redis-url)")
+        reason = None
+        for entry in streams.follow(conn, job_id):
+            if as_json:
+                click.echo(json_encoder.encode(entry).decode())
+            else:
+                click.echo(entry.text, nl=False)
+            reason = entry.finish_reason or reason
     if not as_json:
         click.echo("")
     if reason is None:

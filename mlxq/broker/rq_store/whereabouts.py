@@ -7,7 +7,9 @@ not yet started), or the queue's started registry (one entry per execution,
 atomically, so a job whose status says ``queued`` or ``started`` and that none of them holds
 was lost by a path mlxq does not know (RQ's own BLPOP dequeue did this before ``pull``; a
 person's ``LREM``; a client that died half way through a script-less write). The sweep in
-``mlxq.broker.unaccounted`` finds such jobs with the reads here and puts each back once.
+``mlxq.broker.unaccounted`` finds such jobs with the reads here and puts each back once;
+``mlxq status`` lists them with the reads alone (no transaction, no write: Redis 7 refuses
+every command queued in a MULTI while it is full, reads too).
 
 Assumptions about RQ 3.0: the RQ places above, named by ``Queue.key``,
 ``Queue.intermediate_queue_key`` and ``started_key``; a job's executions are listed in
@@ -17,6 +19,7 @@ Assumptions about RQ 3.0: the RQ places above, named by ``Queue.key``,
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Literal
 
 import redis
@@ -67,16 +70,40 @@ return 2
 """
 )
 
+# KEYS: 1 queue, 2 intermediate list, 3 started registry, then each job's hash and its
+# executions. ARGV: 1 the queue name, then the job ids. Returns the ids that wait or run by
+# their status, on this queue, and that none of the three places holds. Reads only.
+_UNHELD = """
+local out = {}
+for i = 2, #ARGV do
+  local id, job, ex = ARGV[i], KEYS[2 * i], KEYS[2 * i + 1]
+  local status = redis.call('HGET', job, 'status')
+  local unheld = (status == 'queued' or status == 'started')
+    and redis.call('HGET', job, 'origin') == ARGV[1]
+    and not redis.call('LPOS', KEYS[1], id)
+    and not redis.call('LPOS', KEYS[2], id)
+  if unheld then
+    for _, e in ipairs(redis.call('ZRANGE', ex, 0, -1)) do
+      if redis.call('ZSCORE', KEYS[3], id .. ':' .. e) then unheld = false end
+    end
+  end
+  if unheld then out[#out + 1] = id end
+end
+return out
+"""
+UNHELD_CHUNK = 500
+
 Whereabouts = Literal["held", "unheld", "requeued"]
 _OUTCOME: dict[int, Whereabouts] = {0: "held", 1: "unheld", 2: "requeued"}
 
 
 def holders_count(conn: redis.Redis, queue: str) -> int:
     """How many entries the queue's places hold (a cheap upper bound on the jobs they
-    hold)."""
+    hold). Plain reads, no transaction: Redis 7 refuses every command queued in a
+    transaction while it is full, even a read."""
     intermediate = Queue(queue, connection=conn).intermediate_queue_key
     lane_keys = lanes.lane_keys(conn, queue)
-    with conn.pipeline(transaction=True) as pipe:
+    with conn.pipeline(transaction=False) as pipe:
         pipe.llen(queue_key(queue))
         for lane in lane_keys:
             pipe.llen(lane)
@@ -85,19 +112,58 @@ def holders_count(conn: redis.Redis, queue: str) -> int:
         return sum(pipe.execute())
 
 
-def held_ids(conn: redis.Redis, queue: str) -> set[str]:
+def room_for(conn: redis.Redis, batch_id: str, queues: Sequence[str]) -> dict[str, int]:
+    """Per queue, how many entries the places that can hold the batch's jobs on it hold:
+    the batch's lane, the queue's list, intermediate list and started registry (an upper
+    bound on how many of its jobs they hold). One round trip of plain reads, whatever the
+    batch's size."""
+    with conn.pipeline(transaction=False) as pipe:
+        for queue in queues:
+            pipe.llen(keys.lane(queue, batch_id))
+            pipe.llen(queue_key(queue))
+            pipe.llen(Queue(queue, connection=conn).intermediate_queue_key)
+            pipe.zcard(started_key(queue))
+        found = pipe.execute()
+    return {q: sum(found[4 * i : 4 * i + 4]) for i, q in enumerate(queues)}
+
+
+def held_ids(
+    conn: redis.Redis, queue: str, batch_id: str | None = None, atomic: bool = True
+) -> set[str]:
     """The ids of every job the queue's list, lanes, intermediate list and started registry
-    hold, read in one transaction (a lane registered after the rotations were read holds
-    only jobs submitted since: ``put_back_if_unheld`` looks in it before it moves one)."""
+    hold (of the lanes, only ``batch_id``'s if given).
+
+    ``atomic``: read in one transaction (a lane registered after the rotations were read
+    holds only jobs submitted since: ``put_back_if_unheld`` looks in it before it moves
+    one). Otherwise plain reads, in the order a job moves between the places (so a job
+    moving on while they are read is seen), for readers that must work on a full Redis
+    and confirm what they find with :func:`unheld`."""
     intermediate = Queue(queue, connection=conn).intermediate_queue_key
-    lane_keys = lanes.lane_keys(conn, queue)
-    with conn.pipeline(transaction=True) as pipe:
+    lane_keys = [keys.lane(queue, batch_id)] if batch_id else lanes.lane_keys(conn, queue)
+    with conn.pipeline(transaction=atomic) as pipe:
         for waiting in (queue_key(queue), *lane_keys, intermediate):
             pipe.lrange(waiting, 0, -1)
         pipe.zrange(started_key(queue), 0, -1)
         *lists, started = pipe.execute()
     ids = {i.decode() for listed in lists for i in listed}
     return ids | {member.decode().split(":", 1)[0] for member in started}
+
+
+def unheld(conn: redis.Redis, queue: str, job_ids: Sequence[str]) -> list[str]:
+    """Of ``job_ids`` (jobs enqueued on ``queue`` that no lane held when its places were
+    last read), those that wait or run by their status while the queue's list,
+    intermediate list and started registry hold none of them, checked atomically, a
+    chunk at a time, by a script that only reads (Redis runs it even when full). Lanes
+    are not looked in: ids only ever enter a lane when they are submitted."""
+    out: list[str] = []
+    check = conn.register_script(_UNHELD)
+    fixed = [queue_key(queue), Queue(queue, connection=conn).intermediate_queue_key]
+    for at in range(0, len(job_ids), UNHELD_CHUNK):
+        chunk = job_ids[at : at + UNHELD_CHUNK]
+        per_job = [k for j in chunk for k in (job_key(j), executions_key(j))]
+        found = check(keys=[*fixed, started_key(queue), *per_job], args=[queue, *chunk])
+        out += [raw.decode() for raw in found]
+    return out
 
 
 def origins(conn: redis.Redis, job_ids: list[str]) -> list[str | None]:
