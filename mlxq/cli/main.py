@@ -14,9 +14,10 @@ from mlxq.cli.control import cancel, retry
 from mlxq.cli.dashboard import dashboard
 from mlxq.cli.fleet import workers
 from mlxq.cli.make_model import make_model_cmd
-from mlxq.cli.results import results, status
+from mlxq.cli.results import results
 from mlxq.cli.run import run
 from mlxq.cli.server import server
+from mlxq.cli.status import status
 from mlxq.cli.submit import submit
 from mlxq.cli.support import fail
 from mlxq.cli.tail import tail

@@ -16,7 +16,6 @@ import redis
 
 from mlxq.broker import batches as q
 from mlxq.broker import failures, fleet, routing
-from mlxq.cli.status import status as status_command
 from mlxq.cli.support import connect, fail, progress_bar, redis_errors, redis_option
 from mlxq.cli.tables import emit_table
 from mlxq.formats.openai_output import ENDPOINTS, is_error, to_openai_line
@@ -312,6 +311,3 @@ def results(
             fail(str(e))
         if waited is not None:
             fail_on_failures(conn, waited, errors_at(output, out_fmt))
-
-
-status = status_command  # `mlxq status` (in mlxq.cli.status), as mlxq.cli.main imports it
