@@ -1,7 +1,8 @@
 """Each path a pull can take moves the job id into its queue's intermediate list: one queue
 (blocking move), several (a move over all of them; a blocking move on the first, a look at
 the others between), a queue that fills while the worker waits, and the non-blocking pull
-of many. An id is never out of every list."""
+of many; for ids on RQ's lists and in batches' lanes alike. An id is never out of every
+list."""
 
 from __future__ import annotations
 
@@ -69,3 +70,69 @@ def test_move_many_keeps_order_and_moves_at_most_n(conn):
     assert _lists(conn, queue) == ([b"j3", b"j4"], [b"j0", b"j1", b"j2"])
     assert pull.move_many(conn, queue, 10) == ["j3", "j4"]
     assert pull.move_many(conn, queue, 10) == []
+
+
+def _lane_batch(conn: redis.Redis, n: int, queue: str, priority: str = "normal") -> list[str]:
+    from mlxq.broker import batches as q
+    from mlxq.wire import Request
+
+    reqs = [Request(prompt=f"p{i}", max_tokens=2) for i in range(n)]
+    return q.batch_job_ids(conn, q.submit(conn, reqs, queue=queue, priority=priority).batch_id)
+
+
+@pytest.mark.parametrize("names", [("one",), ("a", "b"), ("a", "b", "c")])
+def test_lane_ids_move_into_their_queues_intermediate_lists(conn, names):
+    """Jobs of submitted batches (in lanes, not RQ's lists) on one queue or several: every
+    path of a pull (the take of many, the first look, the wait) leaves each id in its own
+    queue's intermediate list, and the batches take turns over all the queues."""
+    queues = _queues(conn, *names)
+    ids = {q.name: _lane_batch(conn, 3, q.name) for q in queues}
+    taken = pull.take(conn, queues, len(queues))  # a job of each batch, in queue order
+    assert [(q.name, j) for q, j in taken] == [(q.name, ids[q.name][0]) for q in queues]
+    first = pull.move_first(conn, queues)
+    assert first == (queues[0], ids[queues[0].name][1])
+    waited = pull.wait_move(conn, queues, timeout=1)
+    if len(queues) == 1:
+        assert waited == (queues[0], ids[queues[0].name][2])
+    else:  # the second queue's batch: its turn is older than the first's
+        assert waited == (queues[1], ids[queues[1].name][1])
+    rest = pull.take(conn, queues, 100)
+    everything = [*taken, first, waited, *rest]
+    assert sorted(j for _, j in everything) == sorted(j for v in ids.values() for j in v)
+    for q in queues:
+        mine = [j for qu, j in everything if qu is q]
+        assert _lists(conn, q) == ([], [j.encode() for j in mine])
+        assert mine == ids[q.name]  # each batch in input order
+
+
+@pytest.mark.parametrize("names", [("one",), ("a", "b")])
+def test_dequeue_many_keeps_the_turns_across_queues(conn, names):
+    """The worker's non-blocking pull loads jobs a queue at a time but hands them on in the
+    order taken (the engine admits them in that order)."""
+    from mlxq.broker import intake
+    from mlxq.worker.rq_worker import MlxqWorker
+
+    queues = _queues(conn, *names)
+    ids = {q.name: _lane_batch(conn, 4, q.name) for q in queues}
+    worker = MlxqWorker(list(names), connection=conn, runner=None, model_name="m")  # type: ignore[arg-type]
+    worker.register_birth()
+    pulled = intake.dequeue_many(worker, 8)
+    order = [j for i in range(4) for j in (ids[q.name][i] for q in queues)][:8]
+    assert [job.id for job, _ in pulled] == order
+    assert [queue.name for _, queue in pulled] == [n for _ in range(4) for n in names][:8]
+    for q in queues:
+        assert _lists(conn, q)[1] == [j.encode() for j in order if j in ids[q.name]]
+
+
+@pytest.mark.parametrize("names,target", [(("one",), 0), (("a", "b"), 1)])
+def test_a_lane_filling_while_the_worker_waits_is_moved(conn, names, target):
+    """No blocking move wakes for a lane: the look between short blocks finds it, on the
+    first queue or a later one."""
+    queues = _queues(conn, *names)
+    ids: list[str] = []
+    t = threading.Thread(target=lambda: ids.extend(_lane_batch(conn, 1, names[target])))
+    t.start()
+    got = pull.wait_move(conn, queues, timeout=30, poll_s=0.05)
+    t.join()
+    assert got == (queues[target], ids[0])
+    assert _lists(conn, queues[target]) == ([], [ids[0].encode()])

@@ -1,6 +1,7 @@
 """Priorities and fairness against a real Valkey: a batch's jobs wait in its lane of the
 queue; a pull takes RQ's list first (put-back jobs), then lanes by priority, equal batches a
-job at a time; cancel drops lanes; every sweep sees a lane's jobs as held."""
+job at a time, on one queue and over all of a worker's queues; cancel drops lanes; every
+sweep sees a lane's jobs as held."""
 
 from __future__ import annotations
 
@@ -78,6 +79,71 @@ def test_a_high_batch_on_a_later_queue_comes_before_normal_on_the_first(conn):
         *[("default-q", j) for j in high],
         *[("model-q", j) for j in normal],
     ]
+
+
+def _names(taken: list[tuple[Queue, str]]) -> list[str]:
+    return [queue.name for queue, _ in taken]
+
+
+def test_equal_batches_on_two_queues_take_turns_a_job_at_a_time(conn):
+    """A worker on its model's queue and ``default``: a big batch on one and a small one
+    on the other alternate, in one take and over pulls of one job, whichever came first
+    and whichever queue the worker lists first; each id lands in its own queue's
+    intermediate list."""
+    big = _batch(conn, 1200, "model-q")  # more than one submit chunk
+    queues = _queues(conn, "model-q", "default-q")
+    assert _take(conn, queues, 3) == big[:3]  # the big one alone for a while
+    small = _batch(conn, 4, "default-q")
+    taken = pull.take(conn, queues, 6)
+    assert [j for _, j in taken] == [small[0], big[3], small[1], big[4], small[2], big[5]]
+    assert _names(taken) == ["default-q", "model-q"] * 3
+    # a pull at a time (an idle worker's first look) keeps the turns
+    assert [pull.move_first(conn, queues)[1] for _ in range(3)] == [small[3], big[6], big[7]]
+    for queue, ids in zip(queues, (big[:8], small), strict=True):
+        moved = conn.lrange(queue.intermediate_queue_key, 0, -1)
+        assert [i.decode() for i in moved] == ids
+    # listed the other way round, the same turns
+    other = _batch(conn, 2, "default-q")
+    assert _take(conn, queues[::-1], 4) == [other[0], big[8], other[1], big[9]]
+    # drained lanes leave their rotations and the turns
+    assert _take(conn, queues, 2000) == big[10:]
+    assert conn.llen(keys.lanes("default-q", "normal")) == 0
+    assert conn.llen(keys.lanes("model-q", "normal")) == 0
+    assert conn.hkeys(lanes.turns()) == [b"#"]
+
+
+def test_three_batches_on_two_queues_share_a_third_each(conn):
+    """Turns are per batch, not per queue: two batches on one queue and one on the other
+    get a job each in every round."""
+    a, b = _batch(conn, 6, "model-q"), _batch(conn, 6, "model-q")
+    c = _batch(conn, 6, "default-q")
+    queues = _queues(conn, "model-q", "default-q")
+    taken = _take(conn, queues, 9)
+    assert sorted(taken) == sorted([*a[:3], *b[:3], *c[:3]])
+    for i in range(3):  # every batch once in each round of three
+        assert {taken[3 * i], taken[3 * i + 1], taken[3 * i + 2]} == {a[i], b[i], c[i]}
+
+
+def test_a_higher_batch_on_the_second_queue_goes_before_turns_on_the_first(conn):
+    """Priorities stay strict over the queues: a high batch on the later queue, submitted
+    after an equal pair started sharing, takes every pull until it is done."""
+    big = _batch(conn, 10, "model-q")
+    other = _batch(conn, 10, "default-q")
+    queues = _queues(conn, "model-q", "default-q")
+    assert _take(conn, queues, 2) == [big[0], other[0]]
+    high = _batch(conn, 3, "default-q", "high")
+    low = _batch(conn, 2, "model-q", "low")
+    assert _take(conn, queues, 7) == [*high, big[1], other[1], big[2], other[2]]
+    assert _take(conn, queues, 100)[-2:] == low
+
+
+def test_cancel_forgets_the_lanes_turns(conn):
+    ids = _batch(conn, 3, "forget")
+    _take(conn, _queues(conn, "forget"), 1)
+    lane = keys.lane("forget", _batch_id(conn, ids[0]))
+    assert conn.hexists(lanes.turns(), lane)
+    assert q.cancel_batch(conn, _batch_id(conn, ids[0])) == (3, 0)  # one taken, unstarted
+    assert not conn.hexists(lanes.turns(), lane)
 
 
 def test_an_idle_worker_on_one_queue_wakes_for_a_lane_job(conn):

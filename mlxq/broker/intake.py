@@ -44,29 +44,39 @@ def dequeue_many(
     worker: BaseWorker, n: int, max_bytes: int = keys.MAX_JOB_BYTES
 ) -> list[Pulled | Unreadable]:
     """Up to ``n`` jobs without blocking, in ``pull.take``'s order (RQ lists, then lanes by
-    priority, equal batches in turn), in a few round trips.
+    priority, equal batches in turn over all the queues), in a few round trips.
 
     Ids move to RQ's intermediate list until the job is registered, so a crash in between
     loses nothing; a job whose hash cannot be read comes back as an :class:`Unreadable`.
+    The jobs are loaded a queue at a time but come back in the order taken: the engine
+    admits them in that order, so the batches' turns hold when it cannot admit them all.
     """
-    out: list[Pulled | Unreadable] = []
     taken = pull.take(worker.connection, internals.ordered_queues(worker), n)
-    for queue in dict.fromkeys(q for q, _ in taken):  # loaded a queue at a time
-        ids = [job_id for q, job_id in taken if q is queue]
-        out += _load(worker, queue, ids, max_bytes)
-    return out
+    found: list[Pulled | Unreadable | None] = [None] * len(taken)
+    for queue in dict.fromkeys(q for q, _ in taken):
+        at = [i for i, (q, _) in enumerate(taken) if q is queue]
+        loaded = _load_each(worker, queue, [taken[i][1] for i in at], max_bytes)
+        for i, item in zip(at, loaded, strict=True):
+            found[i] = item
+    return [item for item in found if item is not None]
 
 
 def _load(
     worker: BaseWorker, queue: Queue, ids: list[str], max_bytes: int
 ) -> list[Pulled | Unreadable]:
-    out: list[Pulled | Unreadable] = []
+    return [item for item in _load_each(worker, queue, ids, max_bytes) if item is not None]
+
+
+def _load_each(
+    worker: BaseWorker, queue: Queue, ids: list[str], max_bytes: int
+) -> list[Pulled | Unreadable | None]:
+    """Each id's job (None where it was deleted while queued: its id is dropped)."""
+    out: list[Pulled | Unreadable | None] = []
     jobs = job_loading.load(worker.connection, queue, ids, max_bytes)
     for job_id, job in zip(ids, jobs, strict=True):
-        if job is None:  # deleted while queued: drop its id
+        if job is None:
             pull.drop_from_intermediate(worker.connection, queue, job_id)
-        else:
-            out.append(job if isinstance(job, Unreadable) else (job, queue))
+        out.append(job if job is None or isinstance(job, Unreadable) else (job, queue))
     return out
 
 

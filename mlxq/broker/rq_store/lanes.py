@@ -1,15 +1,33 @@
 """Lanes: each batch's waiting jobs on a queue in a list of their own, so that workers take
-higher priorities first and share a queue between equal batches a job at a time.
+higher priorities first and share themselves between equal batches a job at a time, on all
+their queues together.
 
 A submit pushes a batch's job ids onto its lane on the job's queue (``keys.lane``) instead
 of the queue's RQ list, and registers the lane in the queue's rotation for the batch's
 priority (``keys.lanes``), in the transaction that writes the jobs and their counters. A
-lane holds ids in input order; a rotation holds lane keys in round-robin order. Workers
-pull (``pull``) from the queues' RQ lists first (retried, requeued and abandoned jobs, and
-jobs of plain RQ producers go there), then from the rotations, highest priority first,
-moving each id from its lane into the queue's intermediate list in one step, so an id is
-never out of every list. A lane is dropped from its rotation once a pull finds it empty (a
-later chunk of the same submit registers it again); a cancelled batch's lanes are dropped.
+lane holds ids in input order; a rotation holds lane keys in round-robin order.
+
+Workers pull (``pull``) from the queues' RQ lists first, then from the rotations, every
+queue's high before any queue's normal before any low (strict: no aging, so a steady stream
+of higher work starves lower work). Within a priority the lanes of all the worker's queues
+are one round robin: each pull takes from the lane, at the head of its queue's rotation,
+that was taken from least recently (its turn in :func:`turns`, a counter shared by every
+queue; a lane never taken from counts as turn 0), and sends it to the back of its rotation
+with the next turn. So a queue's rotation stays in turn order (a new lane joins at the
+back), its head is its least recently served lane, and the oldest turn among the heads is
+the next batch's, whichever queue it waits on: equal batches alternate over a worker's
+queues as on one. A lane is one batch on one queue (a batch split over two queues has two
+turns); workers on different sets of queues share the same turns.
+Every id moves from its lane into its queue's intermediate list in one step, so an id is
+never out of every list. A lane is dropped from its rotation (and its turn forgotten) once
+a pull finds it empty (a later chunk of the same submit registers it again); a cancelled
+batch's lanes are dropped.
+
+RQ lists first (kept: it does not undo the sharing): they hold retried jobs and jobs put
+back after a worker died or stopped (each already had its batch's turn once, and they are
+few), and jobs that plain RQ producers pushed (no batch, no priority). A batch's waiting
+jobs are all in its lanes, so no batch can hold a worker through RQ's lists; only a
+producer flooding a queue's RQ list directly holds the lanes back, as on plain RQ.
 
 What this assumes of RQ 3.0: ``Queue.enqueue_many`` writes each job (hash, status, queue
 set) and pushes its id with ``Queue.push_job_id``, which the queue below overrides to push
@@ -69,9 +87,16 @@ def enqueue(
     return jobs
 
 
+def turns() -> str:
+    """Hash: each lane's key -> the turn at which a pull last took from it, and ``#`` -> the
+    last turn given (one count over every queue, so turns compare across queues)."""
+    return f"{keys.PREFIX}:lane-turns"
+
+
 def rotations(queues: Iterable[str]) -> list[str]:
     """The rotation keys of ``queues``, in the order a worker takes from them: every
-    queue's high priority, then every queue's normal, then low."""
+    queue's high priority, then every queue's normal, then low (within a priority, the
+    queues' lanes share turns: ``pull``)."""
     names = list(queues)
     return [keys.lanes(q, p) for p in PRIORITIES for q in names]
 
@@ -127,5 +152,42 @@ def drop_batch(conn: redis.Redis, batch_id: str) -> None:
             for rotation in rotations([queue]):
                 pipe.lrem(rotation, 0, lane)
             pipe.delete(lane)
+            pipe.hdel(turns(), lane)
         pipe.delete(keys.batch_lanes(batch_id))
         pipe.execute()
+
+
+def drop_lua(first_key: int, first_arg: int) -> str:
+    """Lua, a step of a longer script, that drops a batch's lanes as :func:`drop_batch`
+    does, inside the script's one atomic step (a batch's cancel marks the batch and drops
+    its lanes together). KEYS from ``first_key`` on, to the last: :func:`drop_keys`'s; ARGV
+    from ``first_arg`` on, to the last: the lanes' queues. Leaves in the Lua local
+    ``lanes_left`` how many queues the batch's set still names (a submit's chunk that
+    registered a lane after the caller read the set: read it again and drop that one)."""
+    per = 1 + len(PRIORITIES)
+    return f"""
+local lanes_left
+do
+  local set, turns = KEYS[{first_key}], KEYS[{first_key + 1}]
+  local i = {first_key + 2}
+  while i <= #KEYS do
+    local lane = KEYS[i]
+    for r = 1, {per - 1} do redis.call('LREM', KEYS[i + r], 0, lane) end
+    redis.call('DEL', lane)
+    redis.call('HDEL', turns, lane)
+    i = i + {per}
+  end
+  for a = {first_arg}, #ARGV do redis.call('SREM', set, ARGV[a]) end
+  lanes_left = redis.call('SCARD', set)
+end
+"""
+
+
+def drop_keys(conn: redis.Redis, batch_id: str) -> tuple[list[str], list[str]]:
+    """:func:`drop_lua`'s keys (the batch's set of lane queues, :func:`turns`, then each
+    lane and its rotations) and arguments (the queues), for the lanes its set names now."""
+    queues = sorted(q.decode() for q in conn.smembers(keys.batch_lanes(batch_id)))
+    keys_ = [keys.batch_lanes(batch_id), turns()]
+    for queue in queues:
+        keys_ += [keys.lane(queue, batch_id), *rotations([queue])]
+    return keys_, queues

@@ -6,7 +6,14 @@ list (``BLMOVE``) only when a worker listens on one queue; on several it pops wi
 dies (or a start that is refused) in between loses the job for good. mlxq therefore never
 calls RQ's dequeue: every pull here is a move (``LMOVE``/``BLMOVE``, left of the queue to
 the right of its intermediate list, as RQ's one-queue path does), so from the moment an id
-leaves its queue it is in a list that ``recovery.requeue_stranded`` sweeps.
+leaves its queue it is in a list that ``recovery.requeue_stranded`` sweeps. The paths are
+the same on one queue and on several: one script that moves ids over all the worker's
+queues (:func:`take`), and, while idle, a blocking move on the first queue's RQ list
+(:func:`wait_move`); ``tests/test_intake.py`` runs each on one queue and on several.
+
+The order of a take is the same on any number of queues: the RQ lists, then the lanes,
+higher priorities strictly first over all the queues, and batches of one priority in turn,
+a job at a time, whichever of the queues they wait on (``lanes``).
 
 Assumptions about RQ 3.0 (check them when upgrading): a queue's waiting ids are the list
 ``Queue.key`` (and, for mlxq's own submits, the queue's lanes: ``lanes``), its intermediate
@@ -30,14 +37,17 @@ from mlxq.broker.rq_store import lanes
 # anywhere else waits at most this long. A job on the first queue's list wakes it at once.
 POLL_S = 0.25
 
-# KEYS: n queues' RQ lists, their n intermediate lists, then the 3n rotations of
-# ``lanes.rotations`` (every queue's high, then normal, then low). ARGV: 1 n, 2 how many
-# ids at most. Takes the RQ lists first, in queue order, then a rotation's lanes in turn, a
-# job at a time (the lane that gave one goes to the back), dropping a lane found empty.
+# KEYS: n queues' RQ lists, their n intermediate lists, the 3n rotations of
+# ``lanes.rotations`` (every queue's high, then normal, then low), then ``lanes.turns``.
+# ARGV: 1 n, 2 how many ids at most. Takes the RQ lists first, in queue order; then, one
+# priority at a time, a job at a time from the head lane (of the n rotations' heads) whose
+# turn is oldest (ties: queue order), which goes to the back of its rotation with the next
+# turn; a head lane found empty leaves its rotation and the turns. Per id: n LINDEX and n
+# HGET (n is the worker's queues), never a scan of a lane.
 # Returns {queue position (1-based), id, queue position, id, ...}.
 _TAKE = """
 local n, want, out = tonumber(ARGV[1]), tonumber(ARGV[2]), {}
-local got = 0
+local got, turns = 0, KEYS[5 * n + 1]
 for i = 1, n do
   while got < want do
     local id = redis.call('LMOVE', KEYS[i], KEYS[n + i], 'LEFT', 'RIGHT')
@@ -45,16 +55,26 @@ for i = 1, n do
     out[#out + 1] = i; out[#out + 1] = id; got = got + 1
   end
 end
-for r = 1, 3 * n do
-  local i, rotation = (r - 1) % n + 1, KEYS[2 * n + r]
+for p = 0, 2 do
   while got < want do
-    local lane = redis.call('LMOVE', rotation, rotation, 'LEFT', 'RIGHT')
-    if not lane then break end
-    local id = redis.call('LMOVE', lane, KEYS[n + i], 'LEFT', 'RIGHT')
+    local best, best_lane, best_turn = nil, nil, nil
+    for i = 1, n do
+      local lane = redis.call('LINDEX', KEYS[2 * n + p * n + i], 0)
+      if lane then
+        local turn = tonumber(redis.call('HGET', turns, lane) or 0)
+        if not best or turn < best_turn then best, best_lane, best_turn = i, lane, turn end
+      end
+    end
+    if not best then break end
+    local rotation = KEYS[2 * n + p * n + best]
+    local id = redis.call('LMOVE', best_lane, KEYS[n + best], 'LEFT', 'RIGHT')
     if id then
-      out[#out + 1] = i; out[#out + 1] = id; got = got + 1
+      out[#out + 1] = best; out[#out + 1] = id; got = got + 1
+      redis.call('LMOVE', rotation, rotation, 'LEFT', 'RIGHT')
+      redis.call('HSET', turns, best_lane, redis.call('HINCRBY', turns, '#', 1))
     else
-      redis.call('LREM', rotation, -1, lane)
+      redis.call('LREM', rotation, 0, best_lane)
+      redis.call('HDEL', turns, best_lane)
     end
   end
 end
@@ -68,12 +88,13 @@ def _text(raw: bytes | str) -> str:
 
 def take(conn: redis.Redis, queues: Sequence[Queue], n: int) -> list[tuple[Queue, str]]:
     """Up to ``n`` waiting job ids of ``queues``, each moved into its queue's intermediate
-    list in one atomic step: the queues' RQ lists first, in queue order, then their lanes
-    by priority, equal batches in turn (``lanes``)."""
+    list, all in one server-side script: the queues' RQ lists first, in queue order, then
+    their lanes by priority, equal batches in turn on all the queues together (``lanes``).
+    """
     if n <= 0 or not queues:
         return []
     keys_ = [q.key for q in queues] + [q.intermediate_queue_key for q in queues]
-    keys_ += lanes.rotations(q.name for q in queues)
+    keys_ += [*lanes.rotations(q.name for q in queues), lanes.turns()]
     got = conn.register_script(_TAKE)(keys=keys_, args=[len(queues), n])  # sent once
     return [(queues[int(got[i]) - 1], _text(got[i + 1])) for i in range(0, len(got), 2)]
 
