@@ -24,7 +24,7 @@ from mlxq.broker.rq_store import rq_keys
 from mlxq.cli.worker import STALLED_EXIT
 from mlxq.engine.distributed.start import Hello, mismatch
 from mlxq.wire import Request
-from tests.helpers import ROOT, free_port, run_mlxq
+from tests.helpers import ROOT, Worker, free_port, run_mlxq
 
 RANK = Path(__file__).with_name("distributed_rank.py")
 STALL_S = 20
@@ -231,6 +231,37 @@ def test_a_hung_rank_makes_rank_0_put_the_jobs_back(
     _run_elsewhere(tp_model, conn, valkey_url, batch, n)
 
 
+@pytest.mark.slow
+def test_a_frozen_rank_0_woken_after_a_rescue_finished_its_jobs_runs_none_twice(
+    tp_model: str,
+    conn: redis.Redis,
+    valkey_url: str,
+    tp_worker: subprocess.Popen,
+    tmp_path: Path,
+):
+    """Rank 0 frozen mid-batch (a Mac asleep) past every timeout; a one-process worker
+    takes its jobs back and finishes them; then rank 0 wakes, finds its peer gone and exits:
+    it puts back nothing that the rescue finished (every job keeps one result)."""
+    n = 16
+    batch = submit(conn, n, 1500)
+    worker = tp_worker  # (started before the jobs, as users run it)
+    leader = _signal_mid_batch(conn, batch, worker, 0, signal.SIGSTOP)
+    rescue = Worker(valkey_url, tp_model, log=tmp_path / "rescue.log")  # long-lived
+    try:  # it takes the jobs back once rank 0's heartbeats lapse (--abandon-after)
+        q.wait_for_batch(conn, batch, timeout=300)
+    finally:
+        os.kill(leader, signal.SIGCONT)
+    code = worker.wait(STALL_S + GRACE_S + 30)
+    err = worker.stderr.read() if worker.stderr else ""
+    assert code in (0, 1, STALLED_EXIT), err
+    assert "were taken back while it was away" in err, err[-3000:]
+    time.sleep(1.0)
+    try:
+        once_each(conn, batch, n)  # nothing put back: no job runs again, or twice
+    finally:
+        rescue.stop()
+
+
 def _signal_mid_batch(
     conn: redis.Redis, batch: str, worker: subprocess.Popen, rank: int, sig: int
 ) -> int:
@@ -256,10 +287,20 @@ def _jobs_back_on_exit(
     return code, err
 
 
-def _run_elsewhere(tp_model: str, conn: redis.Redis, valkey_url: str, batch: str, n: int):
+def _run_elsewhere(
+    tp_model: str, conn: redis.Redis, valkey_url: str, batch: str, n: int, *args: str
+):
     """A one-process worker finishes the batch: each job has exactly one result."""
     done = run_mlxq(
-        "worker", "--model", tp_model, "--burst", "-q", "default", url=valkey_url, timeout=300
+        "worker",
+        "--model",
+        tp_model,
+        "-q",
+        "default",
+        *args,
+        "--burst",
+        url=valkey_url,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     once_each(conn, batch, n)

@@ -132,6 +132,13 @@ class Runner:
         self._inbox.put(_Replace(build, done))
         return done
 
+    @property
+    def holds_work(self) -> bool:
+        """Whether the MLX thread has jobs, running or waiting (read from another thread:
+        a snapshot, enough for the worker's stall watchdog)."""
+        engine = self.engine
+        return bool(self._pending) or (engine is not None and engine.active > 0)
+
     def completions(self, timeout: float = 0.0) -> list[Completion]:
         """Finished jobs, waiting up to ``timeout`` seconds for the first one."""
         out: list[Completion] = []

@@ -95,8 +95,9 @@ def step_age(
     runner: Runner, inflight: dict[str, InFlight], awake: Awake | None = None
 ) -> float | None:
     """Seconds since the MLX thread's last completed pass (or since this process woke, if
-    later), while jobs are in flight."""
-    if not inflight:
+    later), while it has jobs: the worker's in flight, or jobs it let go of that the MLX
+    thread has not yet dropped (a thread hung in a native call never does)."""
+    if not inflight and not runner.holds_work:
         return None
     return time.monotonic() - max(runner.last_progress, awake.since if awake else 0.0)
 
