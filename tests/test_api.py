@@ -237,5 +237,5 @@ def test_models_lists_what_live_workers_serve(client, conn):
     publish_worker(conn, "w3", "tiny", [MODEL])
     conn.sadd(keys.workers(), "gone")  # "gone": its info expired
     models = client.models.list()
-    assert [m.id for m in models] == ["mlx-community/Foo-4bit", "tiny"]
+    assert [m.id for m in models] == ["Foo-4bit", "tiny"]
     assert all(m.owned_by == "mlxq" for m in models)

@@ -17,11 +17,15 @@ from api_servers import (
     KEY,
     MAX_LINES,
     MAX_UPLOAD,
+    MODEL,
     OTHER_KEY,
     api_client,
+    chat_line,
     completion_line,
     create,
     jsonl,
+    read_jsonl,
+    run_tiny_worker,
     upload,
     wait_final,
 )
@@ -169,3 +173,73 @@ def _raw(port: int, method: str, path: str, body: bytes | None = None) -> tuple[
         return response.status, json.loads(response.read() or b"null")
     finally:
         conn.close()
+
+
+# -- /v1/responses batches ------------------------------------------------------------------
+
+
+def _responses_line(cid: str, **body: Any) -> dict:
+    body = {"model": MODEL, "input": "Hello", "max_output_tokens": 4, **body}
+    return {"custom_id": cid, "method": "POST", "url": "/v1/responses", "body": body}
+
+
+def test_a_responses_batch_runs_to_response_objects(client, conn, tiny_model):
+    from openai.types.responses import Response
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    parts = [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]
+    lines = [
+        _responses_line("r1", instructions="Be brief", metadata={"run": "7"}),
+        _responses_line("r2", input=parts),
+        _responses_line(
+            "r3",
+            max_output_tokens=30,
+            text={"format": {"type": "json_schema", "name": "v", "schema": schema, "strict": True}},
+        ),
+    ]
+    batch = create(client, upload(client, lines), "/v1/responses")
+    assert batch.status == "in_progress" and batch.endpoint == "/v1/responses"
+    run_tiny_worker(tiny_model, conn)
+    batch = wait_final(client, batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 3
+    rows = read_jsonl(client, batch.output_file_id)
+    bodies = {cid: Response.model_validate(row["response"]["body"]) for cid, row in rows.items()}
+    first = bodies["r1"]
+    assert first.id.startswith("resp_") and first.output[0].id.startswith("msg_")
+    assert first.metadata == {"run": "7"} and first.model == tiny_model
+    assert first.usage.output_tokens <= 4 and first.usage.total_tokens > first.usage.output_tokens
+    for response in (bodies["r1"], bodies["r2"]):
+        if response.status == "incomplete":  # the tiny model rarely stops within 4 tokens
+            assert response.incomplete_details.reason == "max_output_tokens"
+            assert response.output[0].status == "incomplete"
+    assert json.loads(bodies["r3"].output_text)["ok"] in (True, False)
+    assert bodies["r3"].status == "completed"
+
+
+def test_a_responses_batch_refuses_what_mlxq_cannot_do_line_by_line(client, conn):
+    lines = [
+        _responses_line("ok"),
+        _responses_line("tools", tools=[{"type": "function", "name": "f", "parameters": {}}]),
+        _responses_line("prev", previous_response_id="resp_1"),
+        _responses_line("img", input=[{"role": "user", "content": [{"type": "input_image"}]}]),
+        _responses_line("reason", reasoning={"effort": "high"}),
+        _responses_line("stream", stream=True),
+        _responses_line("chat", messages=[{"role": "user", "content": "Hi"}]),
+        chat_line("wrong", "Hi"),  # a good line, of another endpoint
+    ]
+    batch = wait_final(client, create(client, upload(client, lines), "/v1/responses").id)
+    assert batch.status == "failed"
+    errors = {e.line: (e.code, e.param) for e in batch.errors.data}
+    assert errors == {
+        2: ("invalid_request", "body.tools"),
+        3: ("invalid_request", "body.previous_response_id"),
+        4: ("invalid_request", "body.input[0].content[0]"),
+        5: ("invalid_request", "body.reasoning"),
+        6: ("invalid_request", "body.stream"),
+        7: ("invalid_request", "body"),
+        8: ("mismatched_endpoint", "url"),
+    }
+    assert "`messages` is `input` on /v1/responses" in batch.errors.data[5].message
+    file_id = upload(client, [_responses_line("e")])
+    with pytest.raises(openai.BadRequestError, match="embeddings are not supported yet"):
+        create(client, file_id, "/v1/embeddings")

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import openai
 import pytest
 from api_servers import (
@@ -25,11 +26,11 @@ from api_servers import (
     upload,
     wait_final,
 )
-from helpers import ROOT, Worker, free_port, wait_for_port
+from helpers import ROOT, Worker, free_port, wait_for_port, worker_record
 from rq.worker import Worker as RQWorker
 
 from mlxq.api.models import unserved_problem
-from mlxq.broker import fleet
+from mlxq.broker import fleet, keys
 from tests.helpers import waiting
 
 UNSERVED = "gpt-4o-mini"
@@ -218,3 +219,48 @@ def test_a_batch_for_an_expected_model_waits_for_its_first_worker(
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_models_lists_every_model_by_the_name_lines_use_live_then_asleep(strict, conn):
+    """A worker of two models lists both; ids are the names that route (a GGUF file's
+    name without `.gguf`, a hub id's last part), the full source beside; models served
+    lately that no live worker serves are listed asleep, and each id answers."""
+    now = time.time()
+    info = worker_record(
+        name="w1",
+        model="/data/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+        models=["/data/models/SmolLM2-135M-Instruct.Q4_1.gguf", "mlx-community/Qwen3-4B-4bit"],
+        queues=["SmolLM2-135M-Instruct.Q4_1", "Qwen3-4B-4bit", "default"],
+        started_at=now - 60,
+        heartbeat_at=now,
+    )
+    conn.set(keys.worker_info("w1"), msgspec.json.encode(info))
+    conn.sadd(keys.workers(), "w1")
+    fleet.announce(conn, info.models, info.queues)
+    fleet.announce(conn, ["/Users/me/models/Llama-3.2-1B"], ["Llama-3.2-1B", "default"])
+    models = strict.models.list().data
+    rows = [(m.id, m.model_extra["source"], m.model_extra["status"]) for m in models]
+    assert rows == [
+        ("Qwen3-4B-4bit", "mlx-community/Qwen3-4B-4bit", "live"),
+        ("SmolLM2-135M-Instruct.Q4_1", "/data/models/SmolLM2-135M-Instruct.Q4_1.gguf", "live"),
+        ("Llama-3.2-1B", "/Users/me/models/Llama-3.2-1B", "asleep"),
+    ]
+    assert all(m.object == "model" and m.owned_by == "mlxq" for m in models)
+    assert models[0].created == int(now - 60)
+    for m in models:
+        got = strict.models.retrieve(m.id)
+        assert (got.id, got.model_extra["source"]) == (m.id, m.model_extra["source"])
+        assert got.model_extra["status"] == m.model_extra["status"]
+    second = strict.models.retrieve("mlx-community/Qwen3-4B-4bit")  # the second, by source
+    assert second.model_extra == {"source": "mlx-community/Qwen3-4B-4bit", "status": "live"}
+    with pytest.raises(openai.NotFoundError):
+        strict.models.retrieve("Qwen3-8B-4bit")
+
+
+def test_responses_calls_outside_batches_say_how_to_batch_them(strict):
+    with pytest.raises(openai.NotFoundError) as e:
+        strict.responses.create(model="m", input="Hi")
+    assert e.value.body["code"] == "unsupported_endpoint"
+    assert 'create a batch with endpoint "/v1/responses"' in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError, match="in batches only"):
+        strict.responses.retrieve("resp_123")

@@ -283,3 +283,101 @@ def test_one_sample_has_no_choices_field_to_read():
     result = result_decoder.decode(README_RESULT)
     assert result.choices is None  # results stored before `n` existed still decode
     assert json.loads(json_encoder.encode(result))["choices"] is None
+
+
+# -- /v1/responses -------------------------------------------------------------------------
+
+
+def test_responses_line_parses_as_the_openai_sdk_s_response():
+    from openai.types.responses import Response
+
+    result = result_decoder.decode(README_RESULT)  # finish_reason "length"
+    result.metadata = {"model": "asked", "run": "7", "input": {"a": 1}}
+    line = to_openai_line(result, "/v1/responses")
+    assert json.loads(json.dumps(line)) == line
+    assert line["response"]["request_id"] == "req_9f1c" and line["error"] is None
+    body = line["response"]["body"]
+    response = Response.model_validate(body)
+    assert (response.id, response.object, response.created_at) == (
+        "resp_9f1c",
+        "response",
+        1764450004,
+    )
+    assert response.output_text == "Rain on the roof"
+    assert response.status == "incomplete" and response.completed_at is None
+    assert response.incomplete_details.reason == "max_output_tokens"
+    [message] = response.output
+    assert (message.type, message.id, message.role, message.status) == (
+        "message",
+        "msg_9f1c",
+        "assistant",
+        "incomplete",
+    )
+    assert body["output"][0]["content"] == [
+        {"type": "output_text", "text": "Rain on the roof", "annotations": []}
+    ]
+    assert response.model == "mlx-community/Llama-3.2-3B-Instruct-4bit"
+    assert response.metadata == {"run": "7"}  # strings only, without mlxq's model
+    assert body["usage"] == {
+        "input_tokens": 14,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": 4,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 18,
+    }
+    assert (response.tools, response.tool_choice, response.parallel_tool_calls) == (
+        [],
+        "none",
+        False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("reason", "status"),
+    [("stop", "completed"), ("length", "incomplete"), ("timeout", "incomplete")],
+)
+def test_responses_status_follows_the_finish_reason(reason, status):
+    r = Result(
+        job_id="j", custom_id="c", finish_reason=reason, text="x", timing=Timing(finished_at=5)
+    )
+    body = to_openai_line(r, "/v1/responses/")["response"]["body"]
+    assert body["status"] == status and body["output"][0]["status"] == status
+    assert (body["incomplete_details"] is None) == (status == "completed")
+    assert body["completed_at"] == (5 if status == "completed" else None)
+
+
+def test_responses_errors_take_the_error_file_form():
+    r = Result(job_id="j", custom_id="c", finish_reason="error", error="boom")
+    assert to_openai_line(r, "/v1/responses") == error_line(
+        "batch_req_j", "c", "request_failed", "boom"
+    )
+
+
+def test_responses_samples_and_logprobs_parse_as_the_sdk_s_types():
+    from openai.types.responses import Response
+
+    response = Response.model_validate(
+        to_openai_line(sampled_result(), "/v1/responses")["response"]["body"]
+    )
+    assert [m.id for m in response.output] == ["msg_abcd", "msg_abcd_1", "msg_abcd_2"]
+    assert [m.status for m in response.output] == ["completed", "incomplete", "incomplete"]
+    assert response.status == "completed"  # choice 0's
+    logprobs = response.output[0].content[0].logprobs
+    assert [(lp.token, lp.logprob, lp.bytes) for lp in logprobs] == [("5", -0.1, [])]
+    with_text = Response.model_validate(
+        to_openai_line(with_bytes(), "/v1/responses")["response"]["body"]
+    )
+    first = with_text.output[0].content[0].logprobs[0]
+    assert (first.token, first.bytes) == ("Hi", [72, 105])
+    assert [(t.token, t.bytes) for t in first.top_logprobs] == [("Hi", [72, 105]), ("\t", [9])]
+
+
+def test_unsupported_endpoint_names_what_is_served():
+    from mlxq.formats.openai_output import ENDPOINTS, unsupported_endpoint
+
+    assert ENDPOINTS == ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+    assert unsupported_endpoint("/v1/embeddings") == (
+        "Unsupported endpoint '/v1/embeddings': embeddings are not supported yet; mlxq "
+        "serves /v1/responses, /v1/chat/completions and /v1/completions"
+    )
+    assert "serves /v1/responses" in unsupported_endpoint("/v1/moderations")

@@ -427,3 +427,132 @@ def test_error_messages_name_a_field_or_say_what_is_wrong():
     assert re.fullmatch(
         r"body\.top_p: Expected `float` >= 0\.0 \(got -0\.5\); set top_p to .*", info.value.message
     )
+
+
+# --------------------------------------------------------------------------------------
+# /v1/responses lines
+
+
+def responses(**body) -> dict:
+    body.setdefault("input", "hi")
+    return {"custom_id": "c", "method": "POST", "url": "/v1/responses", "body": body}
+
+
+def test_responses_lines_become_chat_requests():
+    r = request_from_openai(responses(instructions="Be brief", model="m", max_output_tokens=9), 1)
+    assert r.messages == [Message("system", "Be brief"), Message("user", "hi")]
+    assert (r.model, r.max_tokens, r.metadata) == ("m", 9, {"model": "m"})
+    items = [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "S"}]},
+        {"role": "user", "content": [{"type": "input_text", "text": t} for t in "ab"]},
+        {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+         "content": [{"type": "output_text", "text": "A", "annotations": []}]},
+        {"role": "user", "content": "again"},
+    ]  # fmt: skip
+    r = request_from_openai(responses(input=items, temperature=0.7, top_p=0.9, seed=3), 2)
+    assert r.messages == [
+        Message("system", "S"),
+        Message("user", "a\nb"),
+        Message("assistant", "A"),
+        Message("user", "again"),
+    ]
+    assert (r.temperature, r.top_p, r.seed) == (0.7, 0.9, 3)
+    # Harmless fields, as inspect-ai and the SDK send them, change nothing.
+    harmless = responses(
+        include=["reasoning.encrypted_content"],
+        store=False,
+        tools=[],
+        tool_choice="auto",
+        parallel_tool_calls=True,
+        truncation="disabled",
+        reasoning={"effort": "none"},
+        stream=False,
+        background=False,
+        user="u",
+        safety_identifier="s",
+        prompt_cache_key="k",
+        metadata={"run": "7"},
+        text={"format": {"type": "text"}, "verbosity": "medium"},
+    )
+    r = request_from_openai(harmless, 3)
+    assert r.messages == [Message("user", "hi")] and r.metadata == {"run": "7"}
+    assert r.response_format is None or type(r.response_format).__name__ == "TextFormat"
+
+
+def test_responses_text_format_maps_onto_response_format():
+    from mlxq.wire import JsonObjectFormat, JsonSchemaFormat, RegexFormat
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "name": "x", "schema": schema, "strict": True}
+    r = request_from_openai(responses(text={"format": fmt}), 1)
+    assert isinstance(r.response_format, JsonSchemaFormat)
+    spec = r.response_format.json_schema
+    assert (spec.name, spec.schema, spec.strict) == ("x", schema, True)
+    r = request_from_openai(responses(text={"format": {"type": "json_object"}}), 1)
+    assert isinstance(r.response_format, JsonObjectFormat)
+    r = request_from_openai(responses(text={"format": {"type": "regex", "pattern": "a+"}}), 1)
+    assert isinstance(r.response_format, RegexFormat)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "body.tools: tools are not supported"),
+        ({"tool_choice": "required"}, 'body.tool_choice: only "none" or "auto"'),
+        ({"previous_response_id": "resp_1"}, "body.previous_response_id: not supported"),
+        ({"conversation": "conv_1"}, "body.conversation: not supported"),
+        ({"reasoning": {"effort": "low"}}, "body.reasoning: not supported"),
+        ({"reasoning": {"summary": "auto"}}, "body.reasoning: not supported"),
+        ({"background": True}, "body.background: background responses are not supported"),
+        ({"stream": True}, "body.stream: streaming is not supported"),
+        ({"include": ["message.output_text.logprobs"]}, "body.include[0]: "),
+        ({"truncation": "auto"}, 'body.truncation: only "disabled"'),
+        ({"top_logprobs": 2}, "body.top_logprobs: not supported"),
+        ({"prompt": {"id": "p"}}, "body.prompt: not supported"),
+        ({"input": None}, "body.input: missing"),
+        ({"input": []}, "body.input: empty"),
+        ({"input": 3}, "body.input: expected text or a list of messages"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+         'body.input[0].content[0]: "input_image" content is not supported'),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+         'body.input[0].content[0]: "input_file" content is not supported'),
+        ({"input": [{"role": "user", "content": [{"type": "output_text", "text": "x"}]}]},
+         "body.input[0].content[0]: unsupported content part"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]},
+         'body.input[0].type: "function_call" items are not supported'),
+        ({"input": [{"type": "reasoning", "summary": []}]}, 'body.input[0].type: "reasoning"'),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, '"item_reference" items'),
+        ({"input": [{"role": "tool", "content": "x"}]}, "body.input[0].role: unsupported role"),
+        ({"input": [{"role": "user", "content": "x", "name": "n"}]}, "unsupported field `name`"),
+        ({"instructions": ["x"]}, "body.instructions: expected text"),
+        ({"max_output_tokens": 0}, "body.max_output_tokens: Expected `int` >= 1"),
+        ({"max_tokens": 5}, "`max_tokens` is `max_output_tokens` on /v1/responses"),
+        ({"messages": []}, "`messages` is `input` on /v1/responses"),
+        ({"response_format": {"type": "json_object"}}, "`response_format` is `text.format`"),
+        ({"temperature": 11}, "body.temperature: Expected `float` <= 10.0"),
+        ({"text": {"format": {"type": "json_schema"}}}, "body.text.format.schema: missing"),
+        ({"text": {"format": {"type": "json_schema", "schema": {}, "json_schema": {}}}},
+         "body.text.format: unsupported field `json_schema` for type 'json_schema'"),
+        ({"text": {"format": {"type": "xml"}}}, 'body.text.format.type: unsupported "xml"'),
+        ({"text": {"verbosity": "low"}}, "body.text.verbosity: not supported"),
+        ({"text": {"format": {"type": "regex", "pattern": "(x"}}},
+         "body.text.format.pattern: cannot be enforced"),
+        ({"text": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}},
+         "body.text.format.schema: cannot be enforced"),
+        ({"user": 3}, "body.user: expected a string"),
+    ],
+)  # fmt: skip
+def test_responses_lines_refuse_what_mlxq_cannot_do_naming_the_field(body, message):
+    with pytest.raises(InvalidLine) as e:
+        request_from_openai(responses(**body), 4)
+    assert e.value.line == 4 and message in e.value.message, e.value.message
+    assert "\n" not in e.value.message
+
+
+def test_embeddings_lines_are_not_supported_yet():
+    line = {"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}
+    with pytest.raises(InvalidLine, match=r"url: embeddings are not supported yet"):
+        request_from_openai(line, 1)
+    line["url"] = "/v1/moderations"
+    with pytest.raises(InvalidLine, match=r'mlxq supports "/v1/responses", "/v1/chat/completions"'):
+        request_from_openai(line, 1)

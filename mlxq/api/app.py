@@ -9,8 +9,9 @@ Redis work in Starlette's thread pool, since mlxq's queue code uses the sync Red
 Routes: ``POST /v1/files``, ``GET /v1/files``, ``GET /v1/files/{id}``,
 ``GET /v1/files/{id}/content``, ``DELETE /v1/files/{id}``, ``POST /v1/batches``,
 ``GET /v1/batches``, ``GET /v1/batches/{id}``, ``POST /v1/batches/{id}/cancel``,
-``GET /v1/models``, ``GET /v1/models/{id}``. All of them need a bearer API key unless the
-app is made without keys (loopback only).
+``GET /v1/models``, ``GET /v1/models/{id}``, and ``/v1/responses`` (any path under it),
+which answers 404 saying that Responses requests run in batches. All of them need a bearer
+API key unless the app is made without keys (loopback only).
 """
 
 from __future__ import annotations
@@ -260,6 +261,22 @@ async def get_model_by_id(request: Request) -> Response:
     return _json(await run_in_threadpool(get_model, _conn(request), _id(request)))
 
 
+# -- responses ----------------------------------------------------------------------------
+
+
+async def responses_in_batches(request: Request) -> Response:
+    """Any ``/v1/responses`` call: mlxq answers Responses requests in batches only, and
+    keeps no response to fetch (a client falls back on 404, as for any missing route)."""
+    raise ApiError(
+        404,
+        f"mlxq runs Responses requests in batches only ({request.method} "
+        f"{request.url.path} is not served): upload a JSONL file of /v1/responses lines "
+        'with purpose "batch" and create a batch with endpoint "/v1/responses"; each '
+        "response is in the batch's output file",
+        code="unsupported_endpoint",
+    )
+
+
 # -- app ----------------------------------------------------------------------------------
 
 ROUTES = [
@@ -275,6 +292,8 @@ ROUTES = [
     Route("/v1/models", get_models, methods=["GET"]),
     # Hub ids hold a "/" (mlx-community/Foo-4bit): the id is the rest of the path.
     Route("/v1/models/{id:path}", get_model_by_id, methods=["GET"]),
+    Route("/v1/responses", responses_in_batches, methods=["GET", "POST"]),
+    Route("/v1/responses/{rest:path}", responses_in_batches, methods=["GET", "POST", "DELETE"]),
 ]
 
 

@@ -1,4 +1,11 @@
-"""``GET /v1/models`` and ``GET /v1/models/{id}``: the models that live workers serve.
+"""``GET /v1/models`` and ``GET /v1/models/{id}``: the models that workers serve.
+
+``GET /v1/models`` lists every model every live worker serves (a worker of several models
+serves each), by the name that routes a line to it (``keys.queue_name_for_model``: the
+hub id's or folder's last component, a GGUF file's name without ``.gguf``), with its full
+``source`` (hub id or path) and ``"status": "live"``, and the models workers served lately
+(``fleet.seen_models``) that no live worker serves now, ``"status": "asleep"``: a batch for
+those waits for their workers to come back.
 
 Each worker publishes a :class:`~mlxq.wire.WorkerInfo`, refreshed with its heartbeat and
 expiring when it dies (:func:`mlxq.broker.fleet.live_workers` reads them). A name is served
@@ -22,26 +29,44 @@ from mlxq.wire import SeenModel, WorkerInfo
 
 
 def list_models(conn: redis.Redis) -> list[dict[str, Any]]:
-    """OpenAI model objects, one per model served by at least one live worker."""
-    first_seen: dict[str, float] = {}
-    for info in fleet.live_workers(conn):
-        first_seen[info.model] = min(first_seen.get(info.model, info.started_at), info.started_at)
-    return [_model(model, started) for model, started in sorted(first_seen.items())]
+    """OpenAI model objects by routing name: each model a live worker serves (``live``),
+    then each served lately that none serves now (``asleep``)."""
+    live: dict[str, tuple[float, str]] = {}  # name: (first worker's start, source)
+    for w in fleet.live_workers(conn):
+        for source in w.models or [w.model]:
+            name = keys.queue_name_for_model(source)
+            if name not in live or w.started_at < live[name][0]:
+                live[name] = (w.started_at, source)
+    asleep: dict[str, tuple[float, str]] = {}  # name: (last seen, source)
+    for seen in fleet.seen_models(conn):
+        name = keys.queue_name_for_model(seen.model)
+        if name not in live and (name not in asleep or seen.seen_at > asleep[name][0]):
+            asleep[name] = (seen.seen_at, seen.model)
+    return [
+        *(_model(name, t, source, "live") for name, (t, source) in sorted(live.items())),
+        *(_model(name, t, source, "asleep") for name, (t, source) in sorted(asleep.items())),
+    ]
 
 
 def get_model(conn: redis.Redis, model_id: str) -> dict[str, Any]:
     """The OpenAI model object of ``model_id`` (a model or queue name) if a live worker
-    serves it, else a 404 ``model_not_found`` that names what is served."""
+    serves it (``live``) or one served it lately (``asleep``), else a 404
+    ``model_not_found`` that names what is served."""
     workers = fleet.live_workers(conn)
     serving = [w for w in workers if serves(w, model_id)]
-    if not serving:
-        raise ApiError(
-            404,
-            f"The model {model_id!r} does not exist here: {_unserved(model_id, workers)}",
-            param="model",
-            code="model_not_found",
-        )
-    return _model(model_id, min(w.started_at for w in serving))
+    if serving:
+        first = min(serving, key=lambda w: w.started_at)
+        return _model(model_id, first.started_at, _source(first, model_id), "live")
+    seen = [s for s in fleet.seen_models(conn) if serves(s, model_id)]
+    if seen:
+        last = max(seen, key=lambda s: s.seen_at)
+        return _model(model_id, last.seen_at, _source(last, model_id), "asleep")
+    raise ApiError(
+        404,
+        f"The model {model_id!r} does not exist here: {_unserved(model_id, workers)}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def unserved_problem(
@@ -94,5 +119,24 @@ def _served(workers: list[WorkerInfo]) -> str:
     return ", ".join(sorted(names)) or "none (no live worker)"
 
 
-def _model(model_id: str, created: float) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": int(created), "owned_by": "mlxq"}
+def _source(worker: WorkerInfo | SeenModel, model_id: str) -> str:
+    """The model ``worker`` serves as ``model_id`` (a model, its routing name, or one of the
+    worker's queues: then the model it runs)."""
+    models = [worker.model] if isinstance(worker, SeenModel) else worker.models or [worker.model]
+    queue = keys.queue_name_for_model(model_id)
+    for m in models:
+        if m == model_id or keys.queue_name_for_model(m) == queue:
+            return m
+    return worker.model
+
+
+def _model(model_id: str, created: float, source: str, status: str) -> dict[str, Any]:
+    """An OpenAI model object, with mlxq's ``source`` (hub id or path) and ``status``."""
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": int(created),
+        "owned_by": "mlxq",
+        "source": source,
+        "status": status,
+    }

@@ -4,11 +4,13 @@ Every line goes through mlxq's own parser (:func:`mlxq.formats.inputs.parse_line
 accepts exactly what ``mlxq submit`` accepts, with the same messages. On top of that, an
 OpenAI line's ``url`` must be the batch's ``endpoint``. Each line's ``model`` picks its
 queue (lines may mix models). Any bad line fails the whole batch, with one
-:class:`~mlxq.api.objects.BatchError` per line.
+:class:`~mlxq.api.objects.BatchError` per line, whose ``param`` is the field its message
+names (``body.tools``, ``url``...).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import msgspec
@@ -19,6 +21,8 @@ from mlxq.wire import Request
 
 # How many per-line errors a failed batch lists before a final "... and N more".
 MAX_LISTED_ERRORS = 1000
+# A line error's message starts with the field it is about: "body.tools: ...".
+_FIELD = re.compile(r"^((?:body|url|method|custom_id)(?:\.\w+|\[\d+\])*): ")
 
 
 class _Envelope(msgspec.Struct):
@@ -54,7 +58,10 @@ def validate_input(content: bytes, endpoint: str, *, max_lines: int) -> Validate
             f"the input file has {count} requests; a batch takes at most {max_lines}",
         )
     parsed = parse_lines(lines, max_line_bytes=DEFAULT_MAX_LINE_BYTES)
-    errors = [BatchError("invalid_request", e.message, line=e.line) for e in parsed.errors]
+    errors = [
+        BatchError("invalid_request", e.message, param=_param(e.message), line=e.line)
+        for e in parsed.errors
+    ]
     for n in parsed.lines:
         problem = _endpoint_problem(lines[n - 1], endpoint)
         if problem:
@@ -73,6 +80,12 @@ def split_lines(content: bytes) -> list[bytes]:
     if lines and not lines[-1]:
         lines.pop()
     return lines
+
+
+def _param(message: str) -> str | None:
+    """The field a line error's message names first, if it names one."""
+    m = _FIELD.match(message)
+    return m[1] if m else None
 
 
 def _fail(code: str, message: str) -> Validated:

@@ -1,9 +1,10 @@
 """OpenAI Batch API input lines, mapped onto mlxq requests.
 
-A line ``{"custom_id", "method": "POST", "url", "body"}`` for ``/v1/chat/completions`` or
-``/v1/completions`` becomes a :class:`~mlxq.wire.Request` (see
-:func:`request_from_openai`), so existing batch files run unchanged. Anything mlxq cannot
-honour is refused with an :class:`~mlxq.formats.input_errors.InvalidLine` rather than ignored.
+A line ``{"custom_id", "method": "POST", "url", "body"}`` for ``/v1/chat/completions``,
+``/v1/completions`` or ``/v1/responses`` (its body: :mod:`mlxq.formats.openai_responses`)
+becomes a :class:`~mlxq.wire.Request` (see :func:`request_from_openai`), so existing batch
+files run unchanged. Anything mlxq cannot honour is refused with an
+:class:`~mlxq.formats.input_errors.InvalidLine` rather than ignored.
 """
 
 from __future__ import annotations
@@ -13,11 +14,20 @@ from typing import Any
 
 import msgspec
 
+from mlxq.formats import openai_responses as responses
 from mlxq.formats.constraints import constraint_problem
 from mlxq.formats.input_errors import InvalidLine, explain, fields_named, show
+from mlxq.formats.openai_responses import EMBEDDINGS_URL, RESPONSES_URL
 from mlxq.wire import Request
 
-__all__ = ["CHAT_URL", "COMPLETIONS_URL", "is_openai_line", "request_from_openai"]
+__all__ = [
+    "CHAT_URL",
+    "COMPLETIONS_URL",
+    "EMBEDDINGS_URL",
+    "RESPONSES_URL",
+    "is_openai_line",
+    "request_from_openai",
+]
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -25,7 +35,7 @@ COMPLETIONS_URL = "/v1/completions"
 # Keys that mark a line as an OpenAI Batch API line rather than an mlxq Request.
 _OPENAI_KEYS = frozenset({"method", "url", "body"})
 _OPENAI_ENVELOPE = ("custom_id", "method", "url", "body")
-_ENDPOINTS = f'"{CHAT_URL}" and "{COMPLETIONS_URL}"'
+_ENDPOINTS = f'"{RESPONSES_URL}", "{CHAT_URL}" and "{COMPLETIONS_URL}"'
 
 _COMMON_BODY = (
     "model",
@@ -49,6 +59,7 @@ _COMMON_BODY = (
 _BODY_FIELDS = {
     CHAT_URL: ("messages", "max_completion_tokens", "logprobs", "top_logprobs", *_COMMON_BODY),
     COMPLETIONS_URL: ("prompt", "logprobs", "echo", "best_of", *_COMMON_BODY),
+    RESPONSES_URL: responses.BODY_FIELDS,
 }
 # Body fields passed to Request unchanged (its constraints check them).
 _PASSTHROUGH = (
@@ -75,7 +86,8 @@ def is_openai_line(obj: dict[str, Any]) -> bool:
 def request_from_openai(obj: dict[str, Any], line: int) -> Request:
     """Map one OpenAI Batch API line (``custom_id``, ``method``, ``url``, ``body``) to a Request.
 
-    ``url`` is ``/v1/chat/completions`` or ``/v1/completions``. In ``body``, a null value
+    ``url`` is ``/v1/chat/completions``, ``/v1/completions`` or ``/v1/responses`` (whose
+    body :func:`~mlxq.formats.openai_responses.responses_fields` maps). In ``body``, a null value
     is the same as leaving the field out; ``model`` routes the request to that model's queue
     (and is copied to ``metadata["model"]``);
     ``user`` is ignored; mlxq's ``top_k``, ``min_p`` and ``repetition_penalty`` are
@@ -99,6 +111,8 @@ def request_from_openai(obj: dict[str, Any], line: int) -> Request:
         d["metadata"] = metadata
     if "model" in body:  # (a string: checked with the metadata)
         d["model"] = body["model"]
+    if url == RESPONSES_URL:
+        return _convert(d, responses.responses_fields(body, d, fail), fail, url)
     if chat:
         d["messages"] = _openai_messages(body.get("messages"), fail)
     else:
@@ -111,11 +125,19 @@ def request_from_openai(obj: dict[str, Any], line: int) -> Request:
         stop = body["stop"]
         d["stop"] = [stop] if isinstance(stop, str) else stop
     _logprobs(body, chat, d, renames, fail)
+    return _convert(d, renames, fail, url)
+
+
+def _convert(d: dict[str, Any], renames: dict[str, str], fail: _Fail, url: str) -> Request:
+    """The Request of fields ``d``, its constraint checked (``renames``: Request field →
+    the body's name, for messages)."""
     try:
         req = msgspec.convert(d, Request)
     except msgspec.ValidationError as e:
         raise fail(explain(e, d, renames=renames, prefix="body.")) from e
     if req.response_format is not None and (problem := constraint_problem(req.response_format)):
+        if url == RESPONSES_URL:
+            raise fail(responses.response_format_problem(problem))
         raise fail(f"body.{problem}")
     return req
 
@@ -138,6 +160,8 @@ def _envelope(obj: dict[str, Any], fail: _Fail) -> tuple[str, Any]:
     url = obj.get("url")
     if url is None:
         raise fail(f"url: missing; mlxq supports {_ENDPOINTS}")
+    if isinstance(url, str) and url.rstrip("/") == EMBEDDINGS_URL:
+        raise fail(f"url: embeddings are not supported yet ({url}); mlxq supports {_ENDPOINTS}")
     if not isinstance(url, str) or url.rstrip("/") not in _BODY_FIELDS:
         raise fail(f"url: unsupported endpoint {show(url)}; mlxq supports {_ENDPOINTS}")
     url = url.rstrip("/")
@@ -153,11 +177,15 @@ def _body(body: dict[str, Any], url: str, fail: _Fail) -> dict[str, Any]:
     """The body without its null fields (null is "not given", as in OpenAI's API), checked
     to have only fields that ``url`` takes."""
     body = {k: v for k, v in body.items() if v is not None}
+    if url == RESPONSES_URL:
+        responses.refuse_unsupported(body, fail)
     supported = _BODY_FIELDS[url]
     unknown = [k for k in body if k not in supported]
     if unknown:
         msg = f"body: unsupported {fields_named(unknown)} for {url}"
-        if url == CHAT_URL and "prompt" in unknown:
+        if url == RESPONSES_URL:
+            msg += responses.unknown_field_hint(unknown)
+        elif url == CHAT_URL and "prompt" in unknown:
             msg += f" (chat requests take `messages`; `prompt` is for {COMPLETIONS_URL})"
         elif url != CHAT_URL and "messages" in unknown:
             msg += f" (`messages` is for {CHAT_URL})"

@@ -7,10 +7,11 @@ file::
     {"id": "batch_req_...", "custom_id": "...", "error": null,
      "response": {"status_code": 200, "request_id": "req_...", "body": <completion>}}
 
-with a ``chat.completion`` (``/v1/chat/completions``) or ``text_completion``
-(``/v1/completions``) body, or, for a request that produced no completion, a line of an
-error file: ``{"id", "custom_id", "response": null, "error": {"code", "message"}}``.
-Choices made where mlxq and OpenAI differ:
+with a ``chat.completion`` (``/v1/chat/completions``), ``text_completion``
+(``/v1/completions``) or ``response`` (``/v1/responses``: :func:`response_body`) body, or,
+for a request that produced no completion, a line of an error file: ``{"id", "custom_id",
+"response": null, "error": {"code", "message"}}``. Choices made where mlxq and OpenAI
+differ:
 
 * ``finish_reason``: ``stop`` and ``length`` map to themselves. ``timeout`` (the job's
   wall-clock limit cut generation short) maps to ``length``, the reason OpenAI gives for a
@@ -21,9 +22,15 @@ Choices made where mlxq and OpenAI differ:
   ``expired`` → ``batch_expired``. The two batch codes carry OpenAI's own messages; the
   others the result's ``error``.
 * Ids: the job id without dashes (``<hex>``) gives ``batch_req_<hex>``, the request id
-  ``req_<hex>`` and the body's ``chatcmpl-<hex>`` / ``cmpl-<hex>``. ``created`` is the
-  result's finish time (Unix seconds, else its latest earlier timestamp); ``model`` the
-  model the worker served, else the one the request named.
+  ``req_<hex>`` and the body's ``chatcmpl-<hex>`` / ``cmpl-<hex>`` / ``resp_<hex>`` (its
+  message ``msg_<hex>``). ``created`` (``created_at``) is the result's finish time (Unix
+  seconds, else its latest earlier timestamp); ``model`` the model the worker served, else
+  the one the request named.
+* Responses: ``status`` ``completed``, or ``incomplete`` with ``incomplete_details.reason``
+  ``max_output_tokens`` where a chat completion's ``finish_reason`` would be ``length``.
+  A result keeps no request parameters, so ``instructions``, ``temperature``, ``top_p``
+  and ``max_output_tokens`` are null; ``metadata`` is the request's string values (without
+  the ``model`` mlxq adds); ``tools`` is empty and ``tool_choice`` ``none``.
 * ``n`` > 1: a choice per sample, in order, each with its own ``finish_reason``; a
   sample that ended in error (e.g. its constraint failed) reports ``error`` there.
   ``usage.completion_tokens`` counts every choice's tokens.
@@ -45,10 +52,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mlxq.formats.openai_input import CHAT_URL, COMPLETIONS_URL
+from mlxq.formats.openai_input import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, RESPONSES_URL
 from mlxq.wire import Result, TokenLogprob
 
-ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, RESPONSES_URL)
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "timeout": "length"}
 # Error file codes, by finish_reason.
@@ -72,6 +79,13 @@ _FALLBACK_MESSAGES = {
 _Choice = Callable[[str, list[TokenLogprob] | None], dict[str, Any]]
 
 
+def unsupported_endpoint(endpoint: str) -> str:
+    """Why a batch cannot have ``endpoint``, and what mlxq serves."""
+    why = "embeddings are not supported yet" if endpoint.rstrip("/") == EMBEDDINGS_URL else None
+    served = f"mlxq serves {RESPONSES_URL}, {CHAT_URL} and {COMPLETIONS_URL}"
+    return f"Unsupported endpoint {endpoint!r}: " + (f"{why}; {served}" if why else served)
+
+
 def is_error(result: Result) -> bool:
     """Whether ``result`` goes to the error file (it produced no completion)."""
     if result.finish_reason == "timeout":
@@ -92,8 +106,8 @@ def to_openai_line(
 ) -> dict[str, Any]:
     """One OpenAI Batch output (or error) line for ``result``, as a JSON-ready dict.
 
-    ``endpoint`` (``/v1/chat/completions`` or ``/v1/completions``; a trailing slash is
-    allowed) picks the body's shape. A ``cancelled`` result is reported with
+    ``endpoint`` (``/v1/chat/completions``, ``/v1/completions`` or ``/v1/responses``; a
+    trailing slash is allowed) picks the body's shape. A ``cancelled`` result is reported with
     ``cancelled_code``.
     """
     make_body = _BODIES.get(endpoint.rstrip("/"))
@@ -142,9 +156,59 @@ def completion_body(result: Result) -> dict[str, Any]:
     return _body(result, "cmpl-", "text_completion", choice)
 
 
+def response_body(result: Result) -> dict[str, Any]:
+    """A Responses API ``response`` object for a finished result: an assistant message with
+    one ``output_text`` part (a message per sample of a request with ``n`` > 1)."""
+    hex_id = _hex(result.job_id)
+    output = []
+    for i, text, lps, why in _samples(result):
+        part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+        if lps is not None:
+            part["logprobs"] = [_response_logprob(lp) for lp in lps]
+        message = {
+            "type": "message",
+            "id": f"msg_{hex_id}" + (f"_{i}" if i else ""),
+            "status": "completed" if why == "stop" else "incomplete",
+            "role": "assistant",
+            "content": [part],
+        }
+        output.append(message)
+    u = result.usage
+    truncated = FINISH_REASONS.get(result.finish_reason) == "length"
+    created = _created(result)
+    metadata = {k: v for k, v in result.metadata.items() if k != "model" and isinstance(v, str)}
+    return {
+        "id": "resp_" + hex_id,
+        "object": "response",
+        "created_at": created,
+        "status": "incomplete" if truncated else "completed",
+        "completed_at": None if truncated else created,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
+        "instructions": None,
+        "max_output_tokens": None,
+        "metadata": metadata,
+        "model": _model(result),
+        "output": output,
+        "parallel_tool_calls": False,
+        "temperature": None,
+        "tool_choice": "none",
+        "tools": [],
+        "top_p": None,
+        "usage": {
+            "input_tokens": u.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": u.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u.total_tokens,
+        },
+    }
+
+
 _BODIES: dict[str, Callable[[Result], dict[str, Any]]] = {
     CHAT_URL: chat_body,
     COMPLETIONS_URL: completion_body,
+    RESPONSES_URL: response_body,
 }
 
 
@@ -159,13 +223,9 @@ def _error(result: Result, cancelled_code: str) -> tuple[str, str]:
 def _body(result: Result, id_prefix: str, kind: str, choice: _Choice) -> dict[str, Any]:
     """The fields that chat and text completion objects share around their choices: one,
     or one per sample of a request with ``n`` > 1, each with its own finish_reason."""
-    if result.choices:
-        samples = [(c.index, c.text, c.logprobs, c.finish_reason) for c in result.choices]
-    else:
-        samples = [(0, result.text, result.logprobs, result.finish_reason)]
     choices = [
         {"index": i, **choice(text, lps), "finish_reason": FINISH_REASONS.get(why, why)}
-        for i, text, lps, why in samples
+        for i, text, lps, why in _samples(result)
     ]
     return {
         "id": id_prefix + _hex(result.job_id),
@@ -176,6 +236,13 @@ def _body(result: Result, id_prefix: str, kind: str, choice: _Choice) -> dict[st
         "usage": _usage(result),
         "system_fingerprint": None,
     }
+
+
+def _samples(result: Result) -> list[tuple[int, str, list[TokenLogprob] | None, str]]:
+    """``(index, text, logprobs, finish_reason)`` of each sample: one, or one per choice."""
+    if result.choices:
+        return [(c.index, c.text, c.logprobs, c.finish_reason) for c in result.choices]
+    return [(0, result.text, result.logprobs, result.finish_reason)]
 
 
 def token_text(raw: list[int]) -> str:
@@ -212,6 +279,16 @@ def _chat_logprob(lp: TokenLogprob) -> dict[str, Any]:
         "bytes": lp.bytes,
         "top_logprobs": top,
     }
+
+
+def _response_logprob(lp: TokenLogprob) -> dict[str, Any]:
+    """One entry of an ``output_text`` part's ``logprobs`` (bytes empty where unknown)."""
+    top = [
+        {"token": _token(i, raw), "logprob": value, "bytes": raw or []}
+        for i, value, raw in _alternatives(lp)
+    ]
+    token = _token(lp.token_id, lp.bytes)
+    return {"token": token, "logprob": lp.logprob, "bytes": lp.bytes or [], "top_logprobs": top}
 
 
 def _completion_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
