@@ -28,7 +28,7 @@ def wait_with_progress(conn: redis.Redis, batch_id: str, timeout: float | None) 
     """Wait for a batch with a progress bar on stderr; on ``timeout`` or Ctrl-C, exit
     non-zero saying how far it is and how to wait again."""
     info = q.get_batch(conn, batch_id)
-    start = time.monotonic()
+    start, done_before = time.monotonic(), q.batch_status(conn, batch_id).done
     try:
         status = _wait(conn, info, timeout)
     except TimeoutError:
@@ -36,11 +36,11 @@ def wait_with_progress(conn: redis.Redis, batch_id: str, timeout: float | None) 
     except KeyboardInterrupt:
         click.echo("", err=True)  # off the progress bar's line
         fail(_not_done(conn, info, "when interrupted"), code=130)
-    rate = status.total / max(1e-9, time.monotonic() - start)
+    # A rate over the requests done while it waited (none for a batch already done).
+    waited, ended = time.monotonic() - start, status.done - done_before
+    rate = f" ({ended / waited:.1f} requests/s while waiting)" if ended and waited > 0.5 else ""
     click.echo(
-        f"batch {batch_id}: {status.finished} finished, {status.failed} failed "
-        f"({rate:.1f} requests/s)",
-        err=True,
+        f"batch {batch_id}: {status.finished} finished, {status.failed} failed{rate}", err=True
     )
     return status
 

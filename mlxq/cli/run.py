@@ -251,9 +251,9 @@ def _setup(prof: WorkerProfile, conn: redis.Redis, requests: list[Request], defa
     except StartupError as e:
         if prof.model == default:
             raise
-        raise StartupError(
-            f"{e}; {named_by(requests, prof.model or '')}: to run every line on --model "
-            "instead, pass --ignore-line-models"
+        raise StartupError(  # (the likely fix first: lines naming another service's model)
+            f"{named_by(requests, prof.model or '')}, which cannot be loaded here: to run "
+            f"every line on --model {default} instead, pass --ignore-line-models ({e})"
         ) from e
 
 

@@ -220,7 +220,8 @@ class Stepping:
         if not live:
             return []
         done: list[Completion] = []
-        self._stats.generated_tokens += len(live)
+        # (Output tokens, as results count them: an EOS ends a row and is not output.)
+        self._stats.generated_tokens += sum(tokens[i] not in self._eos for i, _ in live)
         # (No row asking for logprobs: no row to look at for them.)
         lp = step.picked_logprobs(tokens, live, self._eos) if self._rows.logprobs else {}
         now, eos = time.time(), self._eos
