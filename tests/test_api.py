@@ -26,6 +26,7 @@ from api_servers import (
 )
 
 from mlxq.api import redis_keys as rk
+from mlxq.broker import batches as q
 from mlxq.broker import keys
 from tests.helpers import waiting
 
@@ -162,6 +163,49 @@ def test_cancel_before_any_worker_runs(client, client_b, conn):
     errors = read_jsonl(client, batch.error_file_id)
     assert {e["error"]["code"] for e in errors.values()} == {"batch_cancelled"}
     assert client.batches.cancel(batch.id).status == "cancelled"  # idempotent
+
+
+def test_a_cancel_runs_once_on_its_own_thread_and_reads_never_wait_on_it(
+    client, client_b, conn, monkeypatch
+):
+    """However many cancels and reads come meanwhile (two servers, one sweeping), the jobs
+    are cancelled once, on a thread; the cancel has already flagged the batch when it
+    answers (no worker starts one of its jobs), and no read waits for the slow part."""
+    from mlxq.api import batches as api_batches
+
+    cancel_batch, ended = api_batches.q.cancel_batch, []
+
+    def slow_cancel(conn_, mlxq_id, stop_running=True):
+        if stop_running:  # (the end's; finalization's own look passes False)
+            ended.append(mlxq_id)
+            time.sleep(3)
+        return cancel_batch(conn_, mlxq_id, stop_running)
+
+    monkeypatch.setattr(api_batches.q, "cancel_batch", slow_cancel)
+    batch = create(client, upload(client, [completion_line(f"r{i}", "Hi") for i in range(3)]))
+    mlxq_id = json.loads(conn.get(rk.batch_record(batch.id)))["mlxq_batch_id"]
+
+    def timed(call):
+        t = time.monotonic()
+        return call(), time.monotonic() - t
+
+    with ThreadPoolExecutor(6) as pool:
+        calls = [
+            pool.submit(timed, lambda c=c: c.batches.cancel(batch.id)) for c in (client, client_b)
+        ] + [
+            pool.submit(timed, lambda c=c: c.batches.retrieve(batch.id))
+            for c in (client, client_b) * 2
+        ]
+        answers = [c.result() for c in calls]
+    assert all(took < 1.0 for _, took in answers), [took for _, took in answers]
+    assert conn.get(keys.batch_cancelled(mlxq_id)) == b"stop"
+    assert q.get_batch(conn, mlxq_id).state == "cancelled"
+    for _ in range(5):
+        read, took = timed(lambda: client.batches.retrieve(batch.id))
+        assert read.status == "cancelling" and took < 1.0
+    batch = wait_final(client, batch.id)
+    assert batch.status == "cancelled" and batch.request_counts.failed == 3
+    assert ended == [mlxq_id]
 
 
 def test_cancel_refuses_finished_batches(client, conn):

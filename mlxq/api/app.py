@@ -37,7 +37,6 @@ from mlxq.errors import needs_extra
 
 with needs_extra("api", "mlxq api"):
     from starlette.applications import Starlette
-    from starlette.background import BackgroundTask
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
     from starlette.middleware import Middleware
@@ -207,19 +206,12 @@ async def get_batch(request: Request) -> Response:
 
 async def cancel_batch(request: Request) -> Response:
     conn, batch_id = _conn(request), _id(request)
+    # Marks the batch (one script call: no job of it starts after this answer), then
+    # answers; its waiting jobs are cancelled, and the batch finalized, on a thread.
     state = await run_in_threadpool(batches.cancel_batch, conn, batch_id, _tenant(request))
-    response = _json(state.batch)
-    # Cancelling 50,000 queued jobs takes a while: answer first, then cancel them.
-    response.background = BackgroundTask(_refresh_quietly, conn, batch_id)
-    return response
-
-
-def _refresh_quietly(conn: redis.Redis, batch_id: str) -> None:
-    """Refresh after answering; a failure is logged, and the next GET or sweep retries."""
-    try:
-        batches.refresh(conn, batch_id, force=True)
-    except Exception:
-        log.exception("refreshing batch %s after cancel failed", batch_id)
+    if state.batch.status not in FINAL_STATUSES:
+        batches.end_in_background(conn, batch_id)
+    return _json(state.batch)
 
 
 async def list_batches(request: Request) -> Response:

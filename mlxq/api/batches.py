@@ -3,16 +3,23 @@
 ``POST /v1/batches`` validates the input file and enqueues its requests as one mlxq batch
 before answering (``in_progress``, or ``failed`` with per-line ``errors``); the batch's
 lock is held meanwhile, so another process never takes a half-submitted batch for a dead
-one. From then on nothing runs in the background that the batch depends on: every read
-(:func:`refresh`, from ``GET`` and from the periodic sweep) derives progress from the mlxq
-batch's job states, cancels what must be cancelled, and finalizes the batch
-(:mod:`mlxq.api.finalize`) once nothing is left to run. Every transition is a
-compare-and-set on the record, so any number of API processes can do this concurrently.
+one. Every read (:func:`refresh`, from ``GET`` and from the periodic sweep) derives
+progress from the mlxq batch's counters and finalizes the batch (:mod:`mlxq.api.finalize`)
+once nothing is left to run. Ending a batch early (a cancel, or its window passing) never
+runs in a read: the cancel's first step, one script call, runs in ``POST .../cancel``
+before it answers (from then on no worker starts one of its jobs, and running ones stop at
+their next step); the rest (its waiting jobs cancelled, a chunk at a time) runs on a
+thread of its own (:func:`end_in_background`), started by the cancel, and by a read or the
+sweep only where that work is still owed and no thread of this process does it. Every
+transition is a compare-and-set on the record, and every step of an early end is
+idempotent, so any number of API processes can do this concurrently.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Sequence
 
 import redis
@@ -37,8 +44,7 @@ from mlxq.api.objects import (
 from mlxq.api.validation import Validated, validate_input
 from mlxq.broker import batches as q
 from mlxq.broker import keys
-from mlxq.formats.openai_input import CHAT_URL, COMPLETIONS_URL
-from mlxq.formats.openai_output import ENDPOINTS
+from mlxq.formats.openai_output import ENDPOINTS, unsupported_endpoint
 from mlxq.wire import BatchStatus
 
 log = logging.getLogger("mlxq.api")
@@ -48,6 +54,11 @@ ENDING_GRACE_S = 3600
 # A batch's progress is read from its jobs at most once per this many milliseconds per
 # job (counting 50,000 jobs takes about half a second; a small batch is read every time).
 _CHECK_MS_PER_JOB = 0.05
+# After ending a batch's jobs early, how long its thread looks (every ``_SETTLE_POLL_S``)
+# for the running ones to stop, to finalize the batch then; reads and the sweep finalize
+# it after that.
+_SETTLE_S = 30.0
+_SETTLE_POLL_S = 0.2
 
 
 # -- create -------------------------------------------------------------------------------
@@ -120,10 +131,7 @@ def _unserved_errors(
 
 def _check_params(endpoint: str, window: str, metadata: dict[str, str] | None) -> None:
     if endpoint not in ENDPOINTS:
-        raise bad_request(
-            f"Unsupported endpoint {endpoint!r}: mlxq serves {CHAT_URL} and {COMPLETIONS_URL}",
-            param="endpoint",
-        )
+        raise bad_request(unsupported_endpoint(endpoint), param="endpoint")
     if window not in COMPLETION_WINDOWS:
         raise bad_request(
             f"Invalid completion_window {window!r}: supported: {', '.join(COMPLETION_WINDOWS)}",
@@ -193,9 +201,11 @@ def _submit(
 def cancel_batch(conn: redis.Redis, batch_id: str, tenant: Tenant | None) -> BatchState:
     """Mark ``tenant``'s batch ``cancelling`` (idempotent) and return it.
 
-    The next :func:`refresh` (the app runs one right after answering; GETs and the sweep
-    run more) cancels its queued requests, lets running ones finish, and makes the batch
-    ``cancelled``, with what did run in its output file, once nothing runs.
+    Where its requests are enqueued, the mlxq batch is marked cancelled too, in one script
+    call before this returns: no worker starts one of its jobs after it, and the running
+    ones stop at their next step. The caller then starts :func:`end_in_background`, which
+    cancels the jobs still waiting and finalizes the batch ``cancelled``, with what had
+    finished in its output file and the rest in its error file as ``batch_cancelled``.
     """
 
     def cancelling(state: BatchState) -> bool:
@@ -210,15 +220,73 @@ def cancel_batch(conn: redis.Redis, batch_id: str, tenant: Tenant | None) -> Bat
         return True
 
     store.get_batch(conn, batch_id, tenant)  # a 404 unless it is the tenant's
-    return store.update_batch(conn, batch_id, cancelling)
+    state = store.update_batch(conn, batch_id, cancelling)
+    if state.batch.status == "cancelling" and state.submitted and state.mlxq_batch_id:
+        q.mark_cancelled(conn, state.mlxq_batch_id)  # (a batch still validating: after it)
+    return state
+
+
+# Batches whose early end runs on a thread of this process (``end_in_background``).
+_ending: set[str] = set()
+_ending_lock = threading.Lock()
+
+
+def end_in_background(conn: redis.Redis, batch_id: str) -> bool:
+    """Start a thread that ends a cancelled or expiring batch's jobs (:func:`end_jobs`) and
+    then finalizes it, unless one of this process does already; whether it started one.
+    Never waits on Redis: the caller (a request, a read) answers at once."""
+    with _ending_lock:
+        if batch_id in _ending:
+            return False
+        _ending.add(batch_id)
+    thread = threading.Thread(
+        target=_end_quietly, args=(conn, batch_id), name=f"mlxq-end-{batch_id}", daemon=True
+    )
+    thread.start()
+    return True
+
+
+def _end_quietly(conn: redis.Redis, batch_id: str) -> None:
+    """:func:`end_jobs`; a failure is logged, and the next read or sweep starts it again."""
+    try:
+        end_jobs(conn, batch_id)
+    except Exception:
+        log.exception("ending the jobs of batch %s failed", batch_id)
+    finally:
+        with _ending_lock:
+            _ending.discard(batch_id)
+
+
+def end_jobs(conn: redis.Redis, batch_id: str, settle_s: float = _SETTLE_S) -> BatchState:
+    """End a cancelled (or expiring) batch's jobs, once: the mlxq batch marked cancelled
+    (no worker starts its jobs; on a cancel its running ones stop, on expiry they finish)
+    and its waiting jobs cancelled (``mlxq.broker.batches.cancel_batch``: idempotent, no
+    transaction a worker's take can abort). Then, for up to ``settle_s`` seconds, refresh
+    the batch until it is final (its running jobs stopped), and return its record."""
+    state = store.get_batch(conn, batch_id)
+    if state.batch.status in FINAL_STATUSES or not state.ending:
+        return state
+    if state.submitted and state.mlxq_batch_id:
+        stop = state.ending == "cancelled"
+        q.cancel_batch(conn, state.mlxq_batch_id, stop_running=stop)
+    deadline = time.monotonic() + settle_s
+    while True:
+        state = refresh(conn, batch_id, force=True, ender=True)
+        if state.batch.status in FINAL_STATUSES or time.monotonic() >= deadline:
+            return state
+        time.sleep(_SETTLE_POLL_S)
 
 
 # -- progress -----------------------------------------------------------------------------
 
 
-def refresh(conn: redis.Redis, batch_id: str, *, force: bool = False) -> BatchState:
-    """The batch's record brought up to date: progress counts, expiry, cancellation of
-    queued jobs, and finalization when nothing is left to run.
+def refresh(
+    conn: redis.Redis, batch_id: str, *, force: bool = False, ender: bool = False
+) -> BatchState:
+    """The batch's record brought up to date: progress counts, expiry, and finalization
+    when nothing is left to run. An ending batch whose jobs are still owed their early
+    end gets it started on a thread (:func:`end_in_background`), never run here; while
+    that thread runs (``ender``: the call is its own) it finalizes the batch, not a read.
 
     A large batch's jobs are counted at most every ``total * 0.05`` ms (by any process);
     in between, and unless ``force``, the stored record is returned as it is.
@@ -237,14 +305,26 @@ def refresh(conn: redis.Redis, batch_id: str, *, force: bool = False) -> BatchSt
         state = store.update_batch(conn, batch_id, _expiring)
     assert state.mlxq_batch_id is not None
     try:
-        if state.ending:
-            q.cancel_batch(conn, state.mlxq_batch_id, stop_running=False)
         progress = q.batch_status(conn, state.mlxq_batch_id)
     except q.BatchNotFound:
         return store.update_batch(conn, batch_id, _lost)
-    if _nothing_left(state, progress):
+    if state.ending and _end_owed(conn, state.mlxq_batch_id, progress):
+        end_in_background(conn, batch_id)  # (it answers at once: this read never waits)
+    if _nothing_left(state, progress) and (ender or not _ends_here(batch_id)):
         return finalize(conn, batch_id)
     return store.update_batch(conn, batch_id, lambda s: _counts(s, progress))
+
+
+def _ends_here(batch_id: str) -> bool:
+    """Whether a thread of this process is ending the batch (and will finalize it)."""
+    with _ending_lock:
+        return batch_id in _ending
+
+
+def _end_owed(conn: redis.Redis, mlxq_batch_id: str, p: BatchStatus) -> bool:
+    """Whether an ending batch's early end still has work to do: jobs waiting, or the mlxq
+    batch not marked cancelled yet (a process that died between the two)."""
+    return p.queued > 0 or not q.batch_cancelled(conn, mlxq_batch_id)
 
 
 def _check_due(conn: redis.Redis, state: BatchState) -> bool:
@@ -318,10 +398,22 @@ def _interrupted(state: BatchState) -> bool:
 
 
 def _cancel_orphans(conn: redis.Redis, mlxq_batch_id: str) -> None:
+    """Stop what an interrupted validation had enqueued: marked cancelled here, in one step
+    (none of its jobs starts), and its waiting jobs cancelled on a thread (a read never
+    waits on that)."""
     try:
-        q.cancel_batch(conn, mlxq_batch_id, stop_running=False)
+        q.mark_cancelled(conn, mlxq_batch_id, stop_running=False)
     except redis.RedisError as e:  # best effort: the batch fails either way
         log.warning("could not cancel the jobs of interrupted batch %s: %s", mlxq_batch_id, e)
+        return
+
+    def cancel_rest() -> None:
+        try:
+            q.cancel_batch(conn, mlxq_batch_id, stop_running=False)
+        except Exception:
+            log.exception("cancelling the jobs of interrupted batch %s failed", mlxq_batch_id)
+
+    threading.Thread(target=cancel_rest, name=f"mlxq-orphans-{mlxq_batch_id}", daemon=True).start()
 
 
 def sweep(conn: redis.Redis) -> int:

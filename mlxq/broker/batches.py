@@ -16,9 +16,9 @@ import redis
 from rq import Queue
 
 from mlxq.broker import keys, routing
-from mlxq.broker.rq_store import cancel_retry, counters, lanes, reads, states
+from mlxq.broker.rq_store import cancel_retry, counters, reads, states
 from mlxq.broker.serializer import serializer
-from mlxq.wire import BatchInfo, BatchStatus, Result, json_encoder
+from mlxq.wire import BatchInfo, BatchStatus, Result
 
 CHUNK = reads.CHUNK
 
@@ -177,48 +177,53 @@ def cancel_jobs(
     """Cancel jobs: waiting ones leave their queue (and, with ``from_lanes``, their lane) at
     once (their results say cancelled), running ones are flagged and stopped by their
     worker at its next check. Returns (dequeued, flagged)."""
-    dequeued = cancel_retry.cancel_waiting(conn, job_ids, from_lanes)
-    running = [j for j, s in zip(job_ids, job_states(conn, job_ids), strict=True) if s == "started"]
-    with conn.pipeline(transaction=False) as pipe:
-        for jid in running:
-            pipe.set(keys.cancel_flag(jid), 1, ex=keys.BATCH_TTL)
-        pipe.execute()
-    return dequeued, len(running)
+    dequeued, running = cancel_retry.cancel_now(conn, job_ids, from_lanes)
+    if running:
+        cancel_retry.flag_running(conn, job_ids)
+    return dequeued, running
 
 
 def cancel_batch(conn: redis.Redis, batch_id: str, stop_running: bool = True) -> tuple[int, int]:
-    """Cancel a batch: one still being submitted stops growing (and cannot be resumed),
-    its waiting jobs are cancelled, and running ones are stopped too if ``stop_running``.
-    Returns (dequeued, flagged)."""
-    _mark_cancelled(conn, batch_id)
-    dequeued = flagged = 0
+    """Cancel a batch: first, in one atomic step, it is flagged cancelled, its record says
+    ``cancelled`` and its lanes are dropped (a submit still enqueueing it stops, and cannot
+    be resumed); from then on no worker starts one of its jobs, and if ``stop_running`` its
+    running jobs stop at their worker's next check (else they finish). Then its jobs still
+    waiting anywhere are cancelled, a chunk at a time (``cancel_retry``). Idempotent: run
+    again (or by several at once) it cancels what is left. A batch whose jobs have all
+    ended is left as it is. Returns (dequeued, running: the jobs found running, stopping if
+    ``stop_running``)."""
+    if not batch_id or _all_ended(conn, batch_id):
+        return 0, 0
+    mode = cancel_retry.STOP if stop_running else cancel_retry.DRAIN
+    cancel_retry.mark_cancelled(conn, batch_id, mode)
+    dequeued = running = 0
     for ids in iter_job_id_chunks(conn, batch_id):
-        if stop_running:  # (its lanes go as a whole below)
-            d, f = cancel_jobs(conn, ids, from_lanes=False)
-        else:
-            d, f = cancel_retry.cancel_waiting(conn, ids, from_lanes=False), 0
-        dequeued, flagged = dequeued + d, flagged + f
-    lanes.drop_batch(conn, batch_id)  # only cancelled ids are left in them
-    return dequeued, flagged
+        d, r = cancel_retry.cancel_now(conn, ids, from_lanes=False)
+        dequeued, running = dequeued + d, running + r
+    return dequeued, running if stop_running else 0
 
 
-def _mark_cancelled(conn: redis.Redis, batch_id: str) -> None:
-    """A batch still ``submitting`` becomes ``cancelled`` (a submit mid-way sees it)."""
-    with conn.pipeline() as pipe:
-        try:
-            pipe.watch(keys.batch_info(batch_id))
-            raw = pipe.get(keys.batch_info(batch_id))
-            if raw is None:
-                return
-            info = _batch_info_decoder.decode(raw)
-            if info.state != "submitting":
-                return
-            pipe.multi()
-            cancelled = msgspec.structs.replace(info, state="cancelled")
-            pipe.set(keys.batch_info(batch_id), json_encoder.encode(cancelled), keepttl=True)
-            pipe.execute()
-        except redis.WatchError:
-            _mark_cancelled(conn, batch_id)  # the submit wrote meanwhile: look again
+def _all_ended(conn: redis.Redis, batch_id: str) -> bool:
+    """Whether every job of a fully submitted batch has ended (a cancel has nothing to do,
+    and its record stays ``submitted``); a batch cancelled before stays ``cancelled``."""
+    try:
+        s = batch_status(conn, batch_id)
+    except BatchNotFound:
+        return False
+    return s.state == "submitted" and s.queued == 0 and s.started == 0 and s.enqueued >= s.total
+
+
+def mark_cancelled(conn: redis.Redis, batch_id: str, stop_running: bool = True) -> None:
+    """The first step of :func:`cancel_batch` alone, one script call: flagged cancelled,
+    its record ``cancelled``, its lanes dropped. No worker starts a job of the batch after
+    it; its waiting jobs stay to be cancelled (by :func:`cancel_batch`)."""
+    mode = cancel_retry.STOP if stop_running else cancel_retry.DRAIN
+    cancel_retry.mark_cancelled(conn, batch_id, mode)
+
+
+def batch_cancelled(conn: redis.Redis, batch_id: str) -> bool:
+    """Whether the batch was cancelled (no job of it starts any more)."""
+    return bool(conn.exists(keys.batch_cancelled(batch_id)))
 
 
 def retry_failed(conn: redis.Redis, job_ids: Sequence[str]) -> int:

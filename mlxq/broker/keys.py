@@ -143,3 +143,10 @@ def queue_name_for_model(model: str | None) -> str:
     if name.lower().endswith(".gguf"):
         name = name[: -len(".gguf")]
     return name or DEFAULT_QUEUE
+
+
+def batch_cancelled(batch_id: str) -> str:
+    """Set (``stop`` or ``drain``) the moment a batch is cancelled, kept ``BATCH_TTL``: no
+    worker starts a job of the batch after it (the start script refuses them), and with
+    ``stop`` running ones stop at their worker's next check (``drain``: they finish)."""
+    return f"{PREFIX}:batch:{batch_id}:cancelled"

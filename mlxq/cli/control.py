@@ -33,7 +33,8 @@ def _job_ids(conn: redis.Redis, target: str) -> list[str]:
 @redis_option
 def cancel(target: str, as_json: bool, redis_url: str) -> None:
     """Cancel a batch or one job: queued jobs are removed, running ones stop at the next
-    step (their results say cancelled). Finished jobs are left alone."""
+    step (their results say cancelled). Finished jobs are left alone. A batch is marked
+    cancelled first, in one step: no worker starts one of its jobs after it."""
     conn = connect(redis_url)
     if _is_batch(conn, target):
         dequeued, flagged = q.cancel_batch(conn, target)

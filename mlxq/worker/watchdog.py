@@ -56,13 +56,20 @@ def beat(
 
 
 def stop_due(conn: redis.Redis, inflight: dict[str, InFlight], runner: Runner) -> None:
-    """Stop jobs that were cancelled (`mlxq cancel`) or ran past their time limit."""
+    """Stop jobs that were cancelled (`mlxq cancel`: the job's own flag, or its batch's,
+    one key for all of a batch's jobs) or ran past their time limit, in one round trip.
+    A batch cancelled with ``drain`` (the API's expiry) lets its running jobs finish."""
     items = list(inflight.values())
-    flags = conn.mget([keys.cancel_flag(inf.job.id) for inf in items])
-    for inf, flag in zip(items, flags, strict=True):
+    batch_ids = list(dict.fromkeys(b for inf in items if (b := inf.meta.batch_id)))
+    flags = conn.mget(
+        [keys.cancel_flag(inf.job.id) for inf in items]
+        + [keys.batch_cancelled(b) for b in batch_ids]
+    )
+    stopped = {b for b, f in zip(batch_ids, flags[len(items) :], strict=True) if f == b"stop"}
+    for inf, flag in zip(items, flags[: len(items)], strict=True):
         if inf.stop_reason:
             continue
-        if flag is not None:
+        if flag is not None or inf.meta.batch_id in stopped:
             inf.stop_reason = "cancelled"
         elif inf.job.timeout and time.time() - inf.started_at > inf.job.timeout:
             inf.stop_reason = "timeout"

@@ -142,28 +142,14 @@ def heads(conn: redis.Redis, queues: Sequence[str], n: int) -> dict[str, list[st
     return {q: [i.decode() for _ in range(1 + len(lanes[q])) for i in next(found)] for q in queues}
 
 
-def drop_batch(conn: redis.Redis, batch_id: str) -> None:
-    """Delete the batch's lanes and take them out of their rotations (its waiting jobs are
-    cancelled first: what a lane still holds then never runs)."""
-    queues = [q.decode() for q in conn.smembers(keys.batch_lanes(batch_id))]
-    with conn.pipeline(transaction=True) as pipe:
-        for queue in queues:
-            lane = keys.lane(queue, batch_id)
-            for rotation in rotations([queue]):
-                pipe.lrem(rotation, 0, lane)
-            pipe.delete(lane)
-            pipe.hdel(turns(), lane)
-        pipe.delete(keys.batch_lanes(batch_id))
-        pipe.execute()
-
-
 def drop_lua(first_key: int, first_arg: int) -> str:
-    """Lua, a step of a longer script, that drops a batch's lanes as :func:`drop_batch`
-    does, inside the script's one atomic step (a batch's cancel marks the batch and drops
-    its lanes together). KEYS from ``first_key`` on, to the last: :func:`drop_keys`'s; ARGV
-    from ``first_arg`` on, to the last: the lanes' queues. Leaves in the Lua local
-    ``lanes_left`` how many queues the batch's set still names (a submit's chunk that
-    registered a lane after the caller read the set: read it again and drop that one)."""
+    """Lua, a step of a longer script, that deletes a batch's lanes and takes them out of
+    their rotations and turns, inside the script's one atomic step (a batch's cancel marks
+    the batch and drops its lanes together). KEYS from ``first_key`` on, to the last:
+    :func:`drop_keys`'s; ARGV from ``first_arg`` on, to the last: the lanes' queues.
+    Leaves in the Lua local ``lanes_left`` how many queues the batch's set still names (a
+    submit's chunk that registered a lane after the caller read the set: read it again and
+    drop that one)."""
     per = 1 + len(PRIORITIES)
     return f"""
 local lanes_left

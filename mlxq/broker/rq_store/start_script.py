@@ -15,7 +15,12 @@ What the script assumes, and what it does otherwise (a refused job is never drop
   or another worker holds it: left alone), or it got out of every list by a path this module
   does not know (status still ``queued``, in neither list): pushed back on its queue;
 - the status is not ``queued`` (cancelled, or ended or started by someone else): not
-  started, and its id is dropped from the intermediate list (nothing there to recover).
+  started, and its id is dropped from the intermediate list (nothing there to recover);
+- its batch is cancelled (``keys.batch_cancelled``, set in the cancel's first step, before
+  any of its waiting jobs is cancelled): not started, and :func:`start_jobs` cancels it
+  (``cancel_retry``: its ``cancelled`` result, out of every list) — so no job of a batch
+  starts once its cancel is acknowledged, whichever list a worker took it from and
+  whenever it took it. Jobs pushed onto RQ directly have no batch and no such check.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 from uuid import uuid4
 
+import redis
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
@@ -31,6 +37,7 @@ from rq.utils import current_timestamp, utcformat
 from rq.worker import BaseWorker, WorkerStatus
 
 from mlxq.broker import keys
+from mlxq.broker.rq_store import cancel_retry
 from mlxq.broker.rq_store.counters import batch_of, move_step_lua
 from mlxq.broker.rq_store.rq_keys import execution_key, executions_key, job_key, started_key
 
@@ -39,12 +46,15 @@ from mlxq.broker.rq_store.rq_keys import execution_key, executions_key, job_key,
 # counters (or the job's hash again when it has no batch). ARGV: 1 job id, 2 execution id,
 # 3 composite execution key, 4 created_at (a timestamp), 5 worker name, 6 heartbeat TTL,
 # 7 score in the job's executions, 8 score in the started registry, 9 now (RQ's text),
-# 10 "1" when counted in a batch. KEYS[9]: the job's queue. Returns 1 (started) or a
-# refusal code of ``REFUSED``.
+# 10 "1" when counted in a batch. KEYS[9]: the job's queue; KEYS[10]: its batch's
+# cancelled flag (``keys.batch_cancelled``; the job's hash again when it has no batch).
+# Returns 1 (started) or a refusal code of ``REFUSED``.
 _START = (
     """
 local status = redis.call('HGET', KEYS[1], 'status')
+local cancelled = ARGV[10] == '1' and redis.call('EXISTS', KEYS[10]) == 1
 if not redis.call('LPOS', KEYS[2], ARGV[1]) then
+  if status == 'queued' and cancelled then return -3 end
   if status == 'queued' and not redis.call('LPOS', KEYS[9], ARGV[1]) then
     redis.call('LPUSH', KEYS[9], ARGV[1])
     return -1
@@ -56,6 +66,7 @@ if status ~= 'queued' then
   redis.call('DEL', KEYS[7])
   return -2
 end
+if cancelled then return -3 end
 local ttl = tonumber(ARGV[6])
 redis.call('HSET', KEYS[3], 'id', ARGV[2], 'job_id', ARGV[1], 'created_at', ARGV[4],
            'last_heartbeat', ARGV[4], 'worker_name', ARGV[5])
@@ -85,6 +96,7 @@ REFUSED = {
     0: "no longer waiting for this worker (a sweep put it back; it runs elsewhere)",
     -1: "was in no list when it came to start; put it back on its queue",
     -2: "no longer queued (cancelled, or ended elsewhere); not run",
+    -3: "belongs to a cancelled batch; cancelled, not run",
 }
 
 
@@ -107,7 +119,20 @@ def start_jobs(worker: BaseWorker, group: Sequence[tuple[Job, Queue]]) -> list[E
             _mark_started(job, worker.name, execution)
             worker.executions[execution.id] = execution
         out.append(execution if code == 1 else REFUSED[code])
+    _cancel_refused([job for (job, _), code in zip(group, codes, strict=True) if code == -3])
     return out
+
+
+def _cancel_refused(jobs: list[Job]) -> None:
+    """End the jobs refused for their batch's cancel as ``cancelled`` (its cancel would
+    too). Where Redis fails here they stay in the intermediate list, ``queued``: the sweep
+    puts them back, and the next start refuses and cancels them."""
+    if not jobs:
+        return
+    try:
+        cancel_retry.cancel_loaded(jobs[0].connection, jobs, from_lanes=False, taken=True)
+    except redis.RedisError:
+        pass
 
 
 def _execution(worker: BaseWorker, job: Job) -> Execution:
@@ -136,6 +161,7 @@ def _call(
         keys.stranded(job.id),
         keys.batch_counts(batch_id) if batch_id else hash_key,
         queue.key,
+        keys.batch_cancelled(batch_id) if batch_id else hash_key,
     ]
     args = [
         job.id,
