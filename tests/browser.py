@@ -6,6 +6,7 @@ and read back what a person would see: text, and where each element is laid out.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import select
@@ -95,6 +96,11 @@ class Browser:
         if "exceptionDetails" in reply:
             raise RuntimeError(f"{expression!r} threw: {reply['exceptionDetails']}")
         return reply["result"].get("value")
+
+    def screenshot(self, path: Path) -> None:
+        """Save what the open tab shows, top to bottom, as a PNG (to look at by eye)."""
+        shot = self.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True})
+        Path(path).write_bytes(base64.b64decode(shot["data"]))
 
     def wait_for(self, expression: str, timeout: float = 60.0) -> Any:
         """Poll ``expression`` until it is truthy; its value."""

@@ -25,7 +25,7 @@ from test_fleet import make_info
 
 from mlxq.api.dashboard_state import STALL_AFTER_S, Dashboard
 from mlxq.broker import batches as q
-from mlxq.broker import fleet
+from mlxq.broker import fleet, keys
 from mlxq.wire import Request
 
 pytest.importorskip("starlette")
@@ -71,7 +71,7 @@ class Rows(HTMLParser):
     def handle_endtag(self, tag: str) -> None:
         if tag == "tr":
             self._row = None
-        elif self._fields and tag in ("td", "span", "ul", "li"):
+        elif self._fields and tag in ("td", "span", "div", "ul", "li"):
             self._fields.pop()
 
     def handle_data(self, data: str) -> None:
@@ -159,10 +159,23 @@ def live_fleet(valkey_url, conn, tiny_model) -> Iterator[dict]:
         stop(worker)
 
 
+def wait_idle(conn, name: str, timeout: float = 30.0) -> None:
+    """Until the worker ``name`` publishes 0 tok/s: idle, it generates nothing now (its
+    rate over the last minute is no longer what it says)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        (w,) = [w for w in fleet.live_workers(conn) if w.name == name]
+        if w.in_flight == 0 and w.recent_tps == 0.0:
+            return
+        assert time.monotonic() < deadline, f"idle worker {name} still says {w.recent_tps} tok/s"
+        time.sleep(0.5)
+
+
 @needs_chromium
 def test_the_page_shows_batches_workers_and_queues_in_a_real_browser(
-    live_fleet, valkey_url, tmp_path
+    live_fleet, valkey_url, conn, tmp_path
 ):
+    wait_idle(conn, "dash-w1")  # its batch ended moments ago
     proc, port = start_dashboard(valkey_url)
     try:
         dom = render(f"http://127.0.0.1:{port}/", tmp_path)
@@ -191,9 +204,11 @@ def test_the_page_shows_batches_workers_and_queues_in_a_real_browser(
     assert waiting["tokens_per_s"] == "–" and waiting["eta"] == "–"
 
     w = dom.rows["worker"]["dash-w1"]
-    assert w["model"] == live_fleet["model"] and w["device"].startswith("cpu")
+    # The model by its short name (its folder's), the worker's device under its name.
+    assert w["model"] == keys.queue_name_for_model(live_fleet["model"])
+    assert w["name"] == "dash-w1" and w["device"].startswith("cpu")
     assert w["batch_in_use"] == "0 / 4" and w["jobs_done"] == "3" and w["health"] == "ok"
-    assert re.fullmatch(r"\d+s", w["heartbeat"]) and float(w["tokens_per_s"]) > 0
+    assert re.fullmatch(r"\d+s", w["heartbeat"]) and w["tokens_per_s"] == "0.0"  # idle
 
     assert dom.rows["queue"]["nobody"]["depth"] == "2"
     assert dom.rows["queue"]["nobody"]["workers"] == "0"

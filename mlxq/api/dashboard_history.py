@@ -1,9 +1,12 @@
 """The fleet's tokens/s over the last ten minutes, as ``mlxq dashboard`` saw it.
 
-Workers publish a running count of the tokens they generated (``tokens_generated``) with
-every heartbeat; the dashboard samples them and puts each worker's increase since its last
-sample into fixed time bins. Only what this process saw is counted: bins from before it
-started, or while Redis could not be read, are ``None`` (no data), not zero.
+Every couple of seconds the dashboard sums the rate each live worker publishes
+(``WorkerInfo.recent_tps``: tokens of the jobs it finished over the last minute, 0 once it
+is idle) and keeps the samples in fixed time bins; a bin's rate is the mean of its samples.
+The chart is that history with the bin now filling as its last bar, so the rate shown as
+"now" is always among what the chart draws, and the peak, taken over the bars and "now",
+is never below "now". Only what this process saw is kept: bins from before it started,
+or while Redis could not be read, are ``None`` (no data), not zero.
 """
 
 from __future__ import annotations
@@ -12,56 +15,45 @@ import threading
 
 import msgspec
 
-from mlxq.wire import WorkerInfo
-
 WINDOW_S = 600.0
 BIN_S = 10.0
 
 
 class Throughput(msgspec.Struct):
-    """Tokens/s per ``bin_s`` bin, oldest first, ending at the last complete bin; ``None``
-    where nothing was sampled. ``now_tps`` is the live workers' own recent rate."""
+    """Tokens/s per ``bin_s`` bin, oldest first: the complete bins of the window, then the
+    bin now filling (its samples so far); ``None`` where nothing was sampled. ``now_tps``
+    is the live workers' own rate summed now; ``peak_tps`` the highest of the bars and
+    ``now_tps``."""
 
     bin_s: float
     rates: list[float | None]
     now_tps: float
+    peak_tps: float
 
 
-class TokenHistory:
-    """Bins of generated tokens, fed by :meth:`sample`. Thread-safe."""
+class RateHistory:
+    """Bins of the fleet's sampled tokens/s, fed by :meth:`sample`. Thread-safe."""
 
     def __init__(self, window_s: float = WINDOW_S, bin_s: float = BIN_S) -> None:
         self.bin_s = bin_s
         self.bins = int(window_s // bin_s)
-        self._tokens: dict[int, int] = {}  # bin index -> tokens seen generated in it
-        self._last: dict[tuple[str, float], int] = {}  # (worker, started_at) -> its count
+        self._bins: dict[int, tuple[float, int]] = {}  # bin index -> (sum of rates, samples)
         self._lock = threading.Lock()
 
-    def sample(self, workers: list[WorkerInfo], at: float) -> None:
-        """Count what each worker generated since its previous sample into ``at``'s bin.
-
-        A worker seen for the first time (or restarted: a new ``started_at``) only sets
-        its baseline: when it generated its earlier tokens is unknown.
-        """
+    def sample(self, tps: float, at: float) -> None:
+        """Record the fleet's rate ``tps`` as seen at ``at`` (monotonic seconds)."""
         index = int(at // self.bin_s)
         with self._lock:
-            added = 0
-            seen: dict[tuple[str, float], int] = {}
-            for w in workers:
-                key = (w.name, w.started_at)
-                before = self._last.get(key)
-                if before is not None and w.tokens_generated >= before:
-                    added += w.tokens_generated - before
-                seen[key] = w.tokens_generated
-            self._last = seen
-            self._tokens[index] = self._tokens.get(index, 0) + added
-            for old in [i for i in self._tokens if i < index - self.bins]:
-                del self._tokens[old]
+            total, n = self._bins.get(index, (0.0, 0))
+            self._bins[index] = (total + tps, n + 1)
+            for old in [i for i in self._bins if i < index - self.bins]:
+                del self._bins[old]
 
-    def series(self, at: float, workers: list[WorkerInfo]) -> Throughput:
-        """The last ``window`` of complete bins before ``at``."""
+    def series(self, at: float, now_tps: float) -> Throughput:
+        """The last ``window`` of complete bins before ``at``, then ``at``'s own bin."""
         current = int(at // self.bin_s)
         with self._lock:
-            counts = [self._tokens.get(i) for i in range(current - self.bins, current)]
-        rates = [None if n is None else n / self.bin_s for n in counts]
-        return Throughput(self.bin_s, rates, sum(w.recent_tps for w in workers))
+            sums = [self._bins.get(i) for i in range(current - self.bins, current + 1)]
+        rates = [None if s is None else s[0] / s[1] for s in sums]
+        peak = max([now_tps, *(r for r in rates if r is not None)])
+        return Throughput(self.bin_s, rates, now_tps, peak)

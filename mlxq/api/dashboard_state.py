@@ -1,13 +1,25 @@
 """What ``mlxq dashboard`` shows: one read-only snapshot of batches, workers and queues.
 
 Everything comes from the broker's readers (``batch_status``, ``live_workers``,
-``queue_overview``, ``failure_reasons``); nothing here writes to Redis. A batch's tokens/s
-is an estimate: the recent tokens/s of the live workers on its queue, shared among that
-queue's batches that have jobs running (workers publish their rate, not a per-batch one).
-Its ETA comes from how fast its jobs got done over the last couple of minutes, and "no
-progress for ..." from when this process last saw one of its jobs end (or, for a batch
-none of whose jobs ended yet, from its submit). No web framework here, so the snapshot is
-usable (and testable) without the ``api`` extra.
+``queue_overview``, ``failure_reasons``) and, for batches made through ``mlxq api``, the
+API's batch records (read only, for the ``batch_…`` id its client knows); nothing here
+writes to Redis.
+
+What is measured, and what is estimated from it:
+
+- A worker's tokens/s is its own ``recent_tps``: tokens of the jobs it finished over the
+  last minute (0 once it is idle). Tokens are counted as jobs end, so a worker holding
+  jobs none of which ended in that minute shows "–" (not measured yet), not 0.
+- A batch's tokens/s is an estimate: its share, by running jobs, of the rate of the live
+  workers on each queue it runs on (workers publish their rate, not a per-batch one).
+- A batch's progress is its ended jobs out of its total; its running jobs are shown
+  beside it, not counted as partly done (nothing says how far along a running job is).
+- Its ETA is its remaining jobs at the pace its jobs ended over the last couple of
+  minutes, or, before this process watched it that long, at its pace since submit.
+- "no progress for ..." counts from when this process last saw one of its jobs end (or,
+  for a batch none of whose jobs ended yet, from its submit).
+
+No web framework here, so the snapshot is usable (and testable) without the ``api`` extra.
 """
 
 from __future__ import annotations
@@ -22,7 +34,9 @@ import msgspec
 import redis
 
 from mlxq.api import dashboard_health as health
-from mlxq.api.dashboard_history import Throughput, TokenHistory
+from mlxq.api import redis_keys as api_keys
+from mlxq.api.dashboard_history import RateHistory, Throughput
+from mlxq.api.objects import state_decoder
 from mlxq.broker import batches as q
 from mlxq.broker import fleet, keys
 from mlxq.broker.failures import FailureSummary, failure_reasons
@@ -39,7 +53,8 @@ SHARE_S = 1.0
 
 
 class BatchRow(msgspec.Struct):
-    batch_id: str
+    batch_id: str  # the id its submitter knows: an API batch's ``batch_…``, else mlxq's
+    mlxq_batch_id: str  # mlxq's own id (``mlxq status``, ``mlxq cancel``)
     queue: str
     model: str | None
     source: str | None
@@ -54,15 +69,27 @@ class BatchRow(msgspec.Struct):
     tokens_per_s: float | None
     eta_s: float | None
     age_s: float
+    tokens_per_s_basis: str | None = None  # how tokens_per_s is estimated, or why it is not
+    eta_basis: str | None = None  # the pace eta_s assumes, or why there is none
     flags: list[str] = []  # what is wrong with it, in words (health.batch_flags)
     failures: FailureSummary | None = None  # why its failed jobs failed
     models: list[ModelProgress] = []  # each model's counts, for a batch that mixes models
 
 
+class ModelName(msgspec.Struct):
+    """A model as the page names it: its short name (its queue's, ``queue_name_for_model``)
+    and where it comes from (a path or a Hugging Face repo)."""
+
+    name: str
+    source: str
+    loaded: bool  # the one in memory now (of a worker of several models)
+
+
 class WorkerRow(msgspec.Struct):
     name: str
     host: str
-    model: str
+    model: str  # the loaded model's short name (+lora with an adapter)
+    models: list[ModelName]  # every model it serves, the loaded one first
     device: str
     queues: list[str]
     in_flight: int  # jobs it holds: decoding, or prefetched and waiting for a slot
@@ -70,7 +97,9 @@ class WorkerRow(msgspec.Struct):
     waiting: int  # the rest, prefetched so a freed slot is filled at once
     max_batch: int
     kv_used: float | None  # reserved / budget of its KV cache, 0..1
-    tokens_per_s: float
+    # Its recent_tps; None while it holds jobs none of which ended in the last minute.
+    tokens_per_s: float | None
+    tokens_per_s_basis: str
     jobs_done: int
     jobs_failed: int
     heartbeat_age_s: float
@@ -100,6 +129,9 @@ class _Seen:
     """What this process remembers of one batch between snapshots."""
 
     info: BatchInfo
+    shown_id: str  # the id the page shows (an API batch's ``batch_…``)
+    first_tick: float  # when this process first read it
+    named: bool = False  # whether its API record (if any) was looked for
     samples: deque[tuple[float, int]] = field(default_factory=deque)
     status: BatchStatus | None = None
     read_at: float = 0.0
@@ -124,7 +156,7 @@ class Dashboard:
         self.conn = conn
         self._clock, self._wall = clock, wall
         self.stuck_after_s = stuck_after_s
-        self.history = TokenHistory()
+        self.history = RateHistory()
         self._seen: dict[str, _Seen] = {}
         self._lock = threading.Lock()
         self._last: tuple[float, Snapshot] | None = None
@@ -141,17 +173,23 @@ class Dashboard:
 
     def sample(self) -> None:
         """Feed the tokens/s history (called every couple of seconds, page open or not)."""
-        with self._lock:  # one sample at a time, so each worker's count only moves forward
-            self.history.sample(fleet.live_workers(self.conn), self._clock())
+        with self._lock:
+            workers = fleet.live_workers(self.conn)
+            self.history.sample(fleet_tps(workers, self._wall()), self._clock())
 
     def _take(self, tick: float) -> Snapshot:
         now = self._wall()
         workers = fleet.live_workers(self.conn)
-        self.history.sample(workers, tick)
+        now_tps = fleet_tps(workers, now)
+        self.history.sample(now_tps, tick)
         rows = [worker_row(w, now) for w in workers]
-        served = health.serving(workers, {r.name for r in rows if r.stalled})
-        queues = [queue_row(qi, served) for qi in fleet.queue_overview(self.conn, now=now)]
-        batches = self._batches(now, tick, workers, served)
+        stalled = {r.name for r in rows if r.stalled}
+        served = health.serving(workers, stalled)
+        overview = fleet.queue_overview(self.conn, now=now)
+        queues = [queue_row(qi, served) for qi in overview]
+        running = {qi.name: qi.started for qi in overview}
+        live = [w for w in workers if w.name not in stalled]
+        batches = self._batches(now, tick, live, running, served)
         alerts = [qr.flag for qr in queues if qr.flag]
         alerts += [f"worker {r.name} stalled" for r in rows if r.stalled]
         for b in batches:
@@ -164,13 +202,16 @@ class Dashboard:
             workers=rows,
             queues=queues,
             alerts=alerts,
-            throughput=self.history.series(
-                tick, [w for w, r in zip(workers, rows, strict=True) if not r.stalled]
-            ),
+            throughput=self.history.series(tick, now_tps),
         )
 
     def _batches(
-        self, now: float, tick: float, workers: list[WorkerInfo], served: dict
+        self,
+        now: float,
+        tick: float,
+        live: list[WorkerInfo],
+        running: dict[str, int],
+        served: dict,
     ) -> list[BatchRow]:
         seen = []
         for batch_id in self._recent_ids():
@@ -178,25 +219,46 @@ class Dashboard:
             if entry is not None:
                 seen.append(entry)
         self._seen = {e.info.batch_id: e for e in seen}
-        running: dict[str, int] = {}
-        for e in seen:
-            if e.status and e.status.started:
-                running[e.info.queue] = running.get(e.info.queue, 0) + 1
-        queue_tps: dict[str, float] = {}
-        for w in workers:
-            for name in set(w.queues):
-                queue_tps[name] = queue_tps.get(name, 0.0) + w.recent_tps
+        self._name_api_batches([e for e in seen if not e.named])
+        # Running jobs per queue: RQ's count, or the batches' own where those add up to more.
+        by_batch = {e.info.batch_id: running_by_queue(e.info, e.status) for e in seen}
+        summed: dict[str, int] = {}
+        for counts in by_batch.values():
+            for name, n in counts.items():
+                summed[name] = summed.get(name, 0) + n
+        running = {k: max(running.get(k, 0), summed.get(k, 0)) for k in running.keys() | summed}
+        rates = queue_rates(live, running)
         rows = []
         for e in seen:
-            share = running.get(e.info.queue, 0)
-            tps = queue_tps.get(e.info.queue, 0.0) / share if share and e.status.started else None
-            row = batch_row(e.info, e.status, now, tps, _eta(e, tick))
+            tps, tps_basis = batch_tps(by_batch[e.info.batch_id], running, rates, live)
+            eta, eta_basis = _eta(e, tick, now)
+            row = batch_row(e.info, e.status, now, tps, eta)
+            row.batch_id = e.shown_id
+            row.tokens_per_s_basis, row.eta_basis = tps_basis, eta_basis
             row.flags = health.batch_flags(
                 e.info, e.status, now - e.progress_at, self.stuck_after_s, served
             )
             row.failures = self._failures(e, tick)
             rows.append(row)
         return rows
+
+    def _name_api_batches(self, entries: list[_Seen]) -> None:
+        """Show a batch made through ``mlxq api`` under the ``batch_…`` id its client knows:
+        its source names the API batch, whose record names this mlxq batch (read once)."""
+        asked = [e for e in entries if (e.info.source or "").startswith(API_SOURCE)]
+        ids = [(e.info.source or "").removeprefix(API_SOURCE) for e in asked]
+        raws = self.conn.mget([api_keys.batch_record(i) for i in ids]) if ids else []
+        for e in entries:
+            e.named = True
+        for e, api_id, raw in zip(asked, ids, raws, strict=True):
+            if raw is None:
+                continue
+            try:
+                state = state_decoder.decode(raw)
+            except msgspec.DecodeError:
+                continue
+            if state.mlxq_batch_id == e.info.batch_id and state.batch.id == api_id:
+                e.shown_id = api_id
 
     def _recent_ids(self) -> list[str]:
         return [b.decode() for b in self.conn.zrevrange(keys.batches(), 0, MAX_BATCHES - 1)]
@@ -205,7 +267,7 @@ class Dashboard:
         entry = self._seen.get(batch_id)
         try:
             if entry is None:
-                entry = _Seen(q.get_batch(self.conn, batch_id))
+                entry = _Seen(q.get_batch(self.conn, batch_id), batch_id, tick)
             s = entry.status
             finished = s is not None and s.done >= s.total
             if not finished or tick - entry.read_at >= DONE_RECHECK_S:
@@ -241,18 +303,98 @@ class Dashboard:
         return entry.failures
 
 
-def _eta(entry: _Seen, tick: float) -> float | None:
-    """Seconds until the batch is done at its recent pace; 0 when done, None if unknown."""
+API_SOURCE = "api:"  # the source of a batch ``mlxq api`` submitted: api:<its batch id>
+
+
+def _eta(entry: _Seen, tick: float, now: float) -> tuple[float | None, str | None]:
+    """Seconds until the batch is done, and the pace that assumes (or why there is none);
+    0 when done.
+
+    The pace its jobs ended at over the last ``RATE_WINDOW_S`` this process watched; before
+    it watched that long and saw none end, the pace since the batch's submit.
+    """
     s = entry.status
     if s is None:
-        return None
+        return None, None
     left = s.total - s.done
     if left <= 0:
-        return 0.0
+        return 0.0, None
     (t0, d0), (t1, d1) = entry.samples[0], entry.samples[-1]
-    if t1 - t0 < 1.0 or d1 <= d0:
-        return None
-    return left / ((d1 - d0) / (t1 - t0))
+    if t1 - t0 >= 1.0 and d1 > d0:
+        basis = f"at the pace its jobs ended over the last {health.span(t1 - t0)}"
+        return left / ((d1 - d0) / (t1 - t0)), basis
+    age = now - entry.info.created_at
+    if tick - entry.first_tick < RATE_WINDOW_S and s.done and age >= 1.0:
+        basis = f"at its pace since submit ({s.done} ended in {health.span(age)})"
+        return left / (s.done / age), basis
+    if not s.done:
+        return None, "none of its jobs has ended yet"
+    return None, f"none of its jobs ended in the last {health.span(RATE_WINDOW_S)}"
+
+
+def running_by_queue(info: BatchInfo, s: BatchStatus) -> dict[str, int]:
+    """The batch's running jobs on each queue it runs on."""
+    if s.models:
+        return {m.queue: m.counts.get("started", 0) for m in s.models if m.counts.get("started")}
+    return {info.queue: s.started} if s.started else {}
+
+
+def queue_rates(live: list[WorkerInfo], running: dict[str, int]) -> dict[str, float]:
+    """The live workers' tokens/s by queue. A worker's rate goes to its loaded model's
+    queue when it serves several models; otherwise it is split evenly among its queues
+    with jobs running (all of them when none has)."""
+    out: dict[str, float] = {}
+    for w in live:
+        if w.recent_tps <= 0:
+            continue
+        names = list(dict.fromkeys(w.queues))
+        loaded = keys.queue_name_for_model(w.model)
+        if w.models and loaded in names:
+            names = [loaded]
+        else:
+            names = [n for n in names if running.get(n)] or names
+        for n in names:
+            out[n] = out.get(n, 0.0) + w.recent_tps / len(names)
+    return out
+
+
+def batch_tps(
+    mine: dict[str, int],
+    running: dict[str, int],
+    rates: dict[str, float],
+    live: list[WorkerInfo],
+) -> tuple[float | None, str | None]:
+    """A batch's estimated tokens/s: on each queue it has jobs running on, its share of
+    that queue's running jobs times the queue's workers' rate; and how that was reached.
+    None (with the reason) while it runs nothing, or while its queues' workers finished no
+    job in the last minute (their rate is not measured yet)."""
+    if not mine:
+        return None, None
+    tps, parts = 0.0, []
+    for name, n in mine.items():
+        rate, total = rates.get(name, 0.0), max(running.get(name, 0), n)
+        tps += rate * n / total
+        parts.append(f"{n} of the {total} jobs running on queue {name} ({rate:.1f} tok/s)")
+    if tps > 0:
+        return tps, "estimated: its share of its queue's workers' tok/s: " + "; ".join(parts)
+    if not any(set(mine) & set(w.queues) for w in live):
+        return None, "no live worker serves its queue"
+    return None, "its queue's workers ended no job in the last minute (tokens count as jobs end)"
+
+
+def fleet_tps(workers: list[WorkerInfo], now: float) -> float:
+    """The live, not stalled, workers' tokens/s together (what each publishes)."""
+    return sum(w.recent_tps for w in workers if not _stalled(w, now))
+
+
+def _stalled(w: WorkerInfo, now: float) -> bool:
+    return w.state == "stalled" or max(0.0, now - w.heartbeat_at) > STALL_AFTER_S
+
+
+def model_names(w: WorkerInfo) -> list[ModelName]:
+    """Every model the worker serves by its short name, the loaded one first."""
+    sources = list(dict.fromkeys([w.model, *w.models]))
+    return [ModelName(keys.queue_name_for_model(m), m, m == w.model) for m in sources if m]
 
 
 def batch_row(
@@ -267,6 +409,7 @@ def batch_row(
         state = "queued"
     return BatchRow(
         batch_id=info.batch_id,
+        mlxq_batch_id=info.batch_id,
         queue=info.queue,
         model=info.model,
         source=info.source,
@@ -295,10 +438,22 @@ def worker_row(w: WorkerInfo, now: float) -> WorkerRow:
     """
     age = max(0.0, now - w.heartbeat_at)
     in_batch = min(w.in_flight if w.decoding is None else w.decoding, w.max_batch)
+    tps: float | None = w.recent_tps
+    basis = "tokens of the jobs it finished over the last minute, per second"
+    if w.in_flight and w.recent_tps <= 0:
+        tps = None
+        basis = (
+            f"holds {w.in_flight} jobs, none of which ended in the last minute "
+            "(tokens count as jobs end)"
+        )
+    elif not w.in_flight and w.recent_tps <= 0:
+        basis = "idle: it holds no job"
+    short = keys.queue_name_for_model(w.model) if w.model else "-"
     return WorkerRow(
         name=w.name,
         host=w.host,
-        model=w.model + (" +lora" if w.adapter_path else ""),
+        model=short + (" +lora" if w.adapter_path else ""),
+        models=model_names(w),
         device=f"{w.backend} {w.device}",
         queues=list(w.queues),
         in_flight=w.in_flight,
@@ -306,11 +461,12 @@ def worker_row(w: WorkerInfo, now: float) -> WorkerRow:
         waiting=max(0, w.in_flight - in_batch),
         max_batch=w.max_batch,
         kv_used=w.kv_reserved_bytes / w.kv_budget_bytes if w.kv_budget_bytes > 0 else None,
-        tokens_per_s=w.recent_tps,
+        tokens_per_s=tps,
+        tokens_per_s_basis=basis,
         jobs_done=w.jobs_done,
         jobs_failed=w.jobs_failed,
         heartbeat_age_s=age,
-        stalled=w.state == "stalled" or age > STALL_AFTER_S,
+        stalled=_stalled(w, now),
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import redis
@@ -18,6 +19,11 @@ from mlxq.wire import Result, WorkerInfo
 
 if TYPE_CHECKING:  # the metrics extra is imported only where --metrics-port asks for it
     from mlxq.worker.metrics import WorkerMetrics
+
+# A worker that holds no job and ended none for this long generates nothing now: its
+# published rate is 0, not the tail of its last minute's average (a few seconds' grace,
+# so a worker between two batches of short jobs does not flicker to 0).
+IDLE_AFTER_S = 5.0
 
 
 class Reporter:
@@ -33,12 +39,15 @@ class Reporter:
         metrics: WorkerMetrics | None = None,
         claimed_bytes: int = 0,
         models: list[str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name, self.model, self.queues = name, model, queues
         self.models = models if models and len(models) > 1 else []  # a worker of several
         self.claimed_bytes = claimed_bytes  # weights + caches: what it holds of the memory
         self.facts, self.adapter_path, self.metrics = facts, adapter_path, metrics
-        self.rate = fleet.RecentRate()
+        self._clock = clock
+        self.rate = fleet.RecentRate(clock=clock)
+        self._last_end = float("-inf")  # (clock) when a job last ended with tokens
         self.done = self.failures = self.tokens = 0
         self.started_at = time.time()
         self._set_info()
@@ -61,6 +70,8 @@ class Reporter:
         self.done += 1
         self.tokens += result.usage.completion_tokens
         self.rate.add(result.usage.completion_tokens)
+        if result.usage.completion_tokens > 0:
+            self._last_end = self._clock()
         if self.metrics is not None:
             self.metrics.job_finished(result)
 
@@ -102,6 +113,14 @@ class Reporter:
         for q, depth in lanes.waiting(conn, self.queues).items():  # RQ lists and lanes
             self.metrics.set_queue_depth(q, depth)
 
+    def recent_tps(self, in_flight: int) -> float:
+        """Tokens/s of the jobs it finished over the last minute; 0 once it holds no job
+        and none ended for ``IDLE_AFTER_S`` (it generates nothing now)."""
+        now = self._clock()
+        if in_flight == 0 and now - self._last_end >= IDLE_AFTER_S:
+            return 0.0
+        return self.rate.rate(now)
+
     def info(self, scheduler: Scheduler, in_flight: int) -> WorkerInfo:
         """This worker's state now."""
         return WorkerInfo(
@@ -121,7 +140,7 @@ class Reporter:
             jobs_done=self.done,
             jobs_failed=self.failures,
             tokens_generated=self.tokens,
-            recent_tps=self.rate.rate(),
+            recent_tps=self.recent_tps(in_flight),
             started_at=self.started_at,
             heartbeat_at=time.time(),
             adapter_path=self.adapter_path,
