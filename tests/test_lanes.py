@@ -109,7 +109,7 @@ def test_equal_batches_on_two_queues_take_turns_a_job_at_a_time(conn):
     assert _take(conn, queues, 2000) == big[10:]
     assert conn.llen(keys.lanes("default-q", "normal")) == 0
     assert conn.llen(keys.lanes("model-q", "normal")) == 0
-    assert conn.hkeys(lanes.turns()) == [b"#"]
+    assert conn.hkeys(keys.lane_turns()) == [b"#"]
 
 
 def test_three_batches_on_two_queues_share_a_third_each(conn):
@@ -141,9 +141,9 @@ def test_cancel_forgets_the_lanes_turns(conn):
     ids = _batch(conn, 3, "forget")
     _take(conn, _queues(conn, "forget"), 1)
     lane = keys.lane("forget", _batch_id(conn, ids[0]))
-    assert conn.hexists(lanes.turns(), lane)
+    assert conn.hexists(keys.lane_turns(), lane)
     assert q.cancel_batch(conn, _batch_id(conn, ids[0])) == (3, 0)  # one taken, unstarted
-    assert not conn.hexists(lanes.turns(), lane)
+    assert not conn.hexists(keys.lane_turns(), lane)
 
 
 def test_an_idle_worker_on_one_queue_wakes_for_a_lane_job(conn):

@@ -158,7 +158,7 @@ def test_the_first_step_flags_the_batch_marks_its_record_and_drops_its_lanes(con
     queue = q.make_queue(conn, "mk")
     assert len(pull.take(conn, [queue], 1)) == 1  # (a turn, as a worker's take leaves it)
     lane = keys.lane("mk", gone)
-    assert conn.hexists(lanes.turns(), lane) and lane.encode() in _rotation_lanes(conn, "mk")
+    assert conn.hexists(keys.lane_turns(), lane) and lane.encode() in _rotation_lanes(conn, "mk")
 
     q.mark_cancelled(conn, gone)
     assert conn.get(keys.batch_cancelled(gone)) == b"stop"
@@ -166,7 +166,7 @@ def test_the_first_step_flags_the_batch_marks_its_record_and_drops_its_lanes(con
     assert q.get_batch(conn, gone).state == "cancelled" and q.batch_cancelled(conn, gone)
     assert conn.ttl(keys.batch_info(gone)) > 0  # (its record keeps its expiry)
     assert not conn.exists(lane, keys.batch_lanes(gone))
-    assert not conn.hexists(lanes.turns(), lane)
+    assert not conn.hexists(keys.lane_turns(), lane)
     assert _rotation_lanes(conn, "mk") == {keys.lane("mk", kept).encode()}
     # nothing of it is taken any more; its jobs wait for the second step, uncounted yet
     taken = [j for _, j in pull.take(conn, [queue], 10)]

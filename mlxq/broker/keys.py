@@ -96,6 +96,12 @@ def models_seen() -> str:
 SEEN_FOR_S = 7 * 24 * 3600
 
 
+def lane_turns() -> str:
+    """Hash: each lane's key -> the turn at which a pull last took from it, and ``#`` -> the
+    last turn given (one count over every queue, so turns compare across queues)."""
+    return f"{PREFIX}:lane-turns"
+
+
 def starting_workers(host: str) -> str:
     """Hash of the workers of ``host`` that claimed their memory and are loading: pid ->
     JSON (name, pid, memory fraction); see ``mlxq.worker.sharing``."""

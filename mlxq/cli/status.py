@@ -89,6 +89,8 @@ def _incomplete(s: BatchStatus, source: str | None) -> str:
     """What to say of a batch not fully enqueued."""
     head = f"batch {s.batch_id}: only {s.enqueued} of {s.total} requests were enqueued"
     if s.state == "cancelled":
+        if s.enqueued >= s.total:
+            return f"batch {s.batch_id}: cancelled"
         return f"{head}; it was cancelled while being submitted"
     if s.submitter_alive:
         return f"batch {s.batch_id}: still being submitted ({s.enqueued} of {s.total} enqueued)"

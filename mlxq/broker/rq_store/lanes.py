@@ -87,12 +87,6 @@ def enqueue(
     return jobs
 
 
-def turns() -> str:
-    """Hash: each lane's key -> the turn at which a pull last took from it, and ``#`` -> the
-    last turn given (one count over every queue, so turns compare across queues)."""
-    return f"{keys.PREFIX}:lane-turns"
-
-
 def rotations(queues: Iterable[str]) -> list[str]:
     """The rotation keys of ``queues``, in the order a worker takes from them: every
     queue's high priority, then every queue's normal, then low (within a priority, the
@@ -173,7 +167,7 @@ def drop_keys(conn: redis.Redis, batch_id: str) -> tuple[list[str], list[str]]:
     """:func:`drop_lua`'s keys (the batch's set of lane queues, :func:`turns`, then each
     lane and its rotations) and arguments (the queues), for the lanes its set names now."""
     queues = sorted(q.decode() for q in conn.smembers(keys.batch_lanes(batch_id)))
-    keys_ = [keys.batch_lanes(batch_id), turns()]
+    keys_ = [keys.batch_lanes(batch_id), keys.lane_turns()]
     for queue in queues:
         keys_ += [keys.lane(queue, batch_id), *rotations([queue])]
     return keys_, queues

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import redis
 from rq.queue import Queue
 
+from mlxq.broker import keys
 from mlxq.broker.rq_store import lanes
 
 # How long an idle worker blocks on its first queue's RQ list before it looks at every
@@ -94,7 +95,7 @@ def take(conn: redis.Redis, queues: Sequence[Queue], n: int) -> list[tuple[Queue
     if n <= 0 or not queues:
         return []
     keys_ = [q.key for q in queues] + [q.intermediate_queue_key for q in queues]
-    keys_ += [*lanes.rotations(q.name for q in queues), lanes.turns()]
+    keys_ += [*lanes.rotations(q.name for q in queues), keys.lane_turns()]
     got = conn.register_script(_TAKE)(keys=keys_, args=[len(queues), n])  # sent once
     return [(queues[int(got[i]) - 1], _text(got[i + 1])) for i in range(0, len(got), 2)]
 
