@@ -52,14 +52,16 @@ class Setup:
             raise ValueError("no model: pass --model (a local folder or a hub id) or a --profile")
         self.profile = profile
         queues_by_model(profile)  # several models of one queue name: refused before loading
-        # The memory claimed before the model loads: a worker started at the same moment
-        # sees it (``sharing``).
-        starting = self._claim(profile, conn) if conn is not None else []
-        self.neighbours = sharing.neighbours(conn) if conn is not None else []
-        self.models = ModelSet(profile, self.neighbours, starting)
+        self.models = ModelSet(profile)
         if conn is not None:  # found and checked: announced to `mlxq api` while it loads
             with contextlib.suppress(redis.RedisError):
                 fleet.announce(conn, profile.served(), list(worker_queues(profile)))
+            # Its memory claimed before it loads: workers of this host that claimed first
+            # load first, and this one sizes itself from what they hold (``sharing``).
+            self.models.starting = tuple(self._claim(profile, conn))
+            self.models.neighbours = self.neighbours = sharing.neighbours(conn)
+        else:
+            self.neighbours = []
         self.config: WorkerConfig | None = None  # set on the MLX thread: the loaded model's
         self._sized: list[WorkerConfig] = []  # the configurations whose sizing was logged
         self.runner = Runner(self._engine, self._scheduler)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,15 +44,12 @@ class _Loaded:
 class ModelSet:
     """The models of a profile (``WorkerProfile.served``), found on disk, loaded on demand."""
 
-    def __init__(
-        self,
-        profile: WorkerProfile,
-        neighbours: list[WorkerInfo],
-        starting: Sequence[Starting] = (),
-    ) -> None:
+    def __init__(self, profile: WorkerProfile) -> None:
         self.profile = profile
-        self.neighbours = neighbours  # this host's live workers when this one started
-        self.starting = tuple(starting)  # and those still loading then
+        # This host's live workers when this one started, and those still loading then
+        # (set by the launcher once it has claimed this worker's memory: ``sharing``).
+        self.neighbours: list[WorkerInfo] = []
+        self.starting: tuple[Starting, ...] = ()
         self.paths = {m: resolve_model(m) for m in profile.served()}
         if profile.adapter_path is not None:
             check_adapter(profile.adapter_path)

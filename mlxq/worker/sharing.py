@@ -3,12 +3,13 @@ sizes its memory from what they leave (their ``WorkerInfo`` in Redis says what t
 or refuses to start.
 
 A worker publishes its ``WorkerInfo`` only once its model has loaded, so a worker claims
-its share before loading (:func:`claim_start`): it records its ``--memory-fraction`` for
-its host, then reads the other claims. Of two workers started at the same moment, each
-writes before it reads, so the later reader sees the earlier claim whatever the timing, and
-the two never take more than the machine's share together. A starting worker's device is
-not known yet (it is read on the MLX thread), so its claim counts against every memory
-domain of its host until its record, which names its domain, replaces it.
+its share before loading (:func:`claim_start`): it takes a ticket in its host's order of
+claims, in the same step as it records its claim, and waits for the workers that claimed
+before it to load and publish what they really hold. Of two workers started at the same
+moment, one goes first and the other sizes itself from what the first holds, whatever the
+timing; neither takes what the other holds. A worker that waits past ``WAIT_FOR_PEERS_S``
+counts the ones still loading by their ``--memory-fraction``, against every memory domain
+of its host (their device is not known yet).
 
 All the live workers of a host and memory domain (:attr:`DeviceFacts.memory_domain`)
 together stay under ``max(--memory-fraction, its default)`` of the memory; a worker never
@@ -17,8 +18,10 @@ takes more than its own ``--memory-fraction``.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -29,6 +32,13 @@ from mlxq.engine.hardware import DeviceFacts
 from mlxq.wire import WorkerInfo
 from mlxq.worker.profile import DEFAULTS
 
+log = logging.getLogger("mlxq.worker")
+
+# How long a starting worker waits for the workers of its host that claimed before it to
+# load (a large model from disk: a minute or two); after that it counts their claims whole.
+WAIT_FOR_PEERS_S = 300.0
+WAIT_POLL_S = 0.5
+
 
 class Starting(msgspec.Struct):
     """A worker of this host that claimed its share and is loading its model."""
@@ -36,6 +46,7 @@ class Starting(msgspec.Struct):
     name: str
     pid: int
     fraction: float  # its --memory-fraction
+    ticket: int = 0  # its place in the host's order of claims
 
 
 @dataclass(frozen=True)
@@ -80,28 +91,58 @@ def neighbours(conn: redis.Redis) -> list[WorkerInfo]:
     return [w for w in fleet.live_workers(conn) if w.host == host and _running(w.pid)]
 
 
-def claim_start(conn: redis.Redis, name: str, fraction: float) -> list[Starting]:
+# Takes a ticket and records the claim in one step, so a worker that reads the claims after
+# it has both. KEYS: the host's hash. ARGV: pid, the claim's JSON. Returns the ticket.
+_CLAIM = """
+local ticket = redis.call('HINCRBY', KEYS[1], '#', 1)
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2], 't:' .. ARGV[1], ticket)
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return ticket
+"""
+
+
+def claim_start(
+    conn: redis.Redis, name: str, fraction: float, wait_s: float = WAIT_FOR_PEERS_S
+) -> list[Starting]:
     """Record that this process, about to load its model, takes ``fraction`` of its host's
-    memory; then the claims of the other workers of this host still loading (those whose
-    record is published count by it: :func:`neighbours`). Claims of ended processes are
-    dropped."""
+    memory, and wait (up to ``wait_s``) for the workers of this host that claimed before it
+    to load and publish what they really hold (:func:`neighbours` then counts them). The
+    claims of those still loading after that, to count by their fraction."""
     key = keys.starting_workers(socket.gethostname())
-    me = Starting(name, os.getpid(), fraction)
-    with conn.pipeline() as pipe:  # written before the others are read: see the docstring
-        pipe.hset(key, str(me.pid), msgspec.json.encode(me))
-        pipe.expire(key, keys.BATCH_TTL)
-        pipe.hgetall(key)
-        raw = pipe.execute()[-1]
+    pid = os.getpid()
+    me = Starting(name, pid, fraction)
+    claim = conn.register_script(_CLAIM)
+    ticket = int(claim(keys=[key], args=[pid, msgspec.json.encode(me), keys.BATCH_TTL]))
+    deadline = time.monotonic() + wait_s
+    while True:
+        earlier = [c for c in _loading(conn, key) if c.ticket < ticket]
+        if not earlier or time.monotonic() >= deadline:
+            return earlier
+        log.info(
+            "waiting for %s to load its model before sizing this worker's memory",
+            ", ".join(f"{c.name} (pid {c.pid})" for c in earlier),
+        )
+        time.sleep(WAIT_POLL_S)
+
+
+def _loading(conn: redis.Redis, key: str) -> list[Starting]:
+    """The claims of this host's workers still loading: running, no record published yet
+    (claims of ended processes are dropped)."""
+    raw = {k.decode(): v for k, v in conn.hgetall(key).items()}
     published = {w.pid for w in neighbours(conn)}
     out, ended = [], []
     for field, value in raw.items():
+        if not field.isdigit():
+            continue
         try:
-            claim = _starting.decode(value)
-        except msgspec.DecodeError:
+            claim = msgspec.structs.replace(
+                _starting.decode(value), ticket=int(raw.get(f"t:{field}", 0))
+            )
+        except (msgspec.DecodeError, ValueError):
             continue
         if not _running(claim.pid):
-            ended.append(field)
-        elif claim.pid != me.pid and claim.pid not in published:
+            ended += [field, f"t:{field}"]
+        elif claim.pid != os.getpid() and claim.pid not in published:
             out.append(claim)
     if ended:
         conn.hdel(key, *ended)
