@@ -188,3 +188,91 @@ def test_the_time_left_is_labelled_and_follows_recent_progress():
         now[0] = float(t)
         text = eta.at(20 + (t - 110) // 5)
     assert text == "about 2m00s left", text  # 24 left at 0.2/s (at 1/s: 24s)
+
+
+# -- what `mlxq submit` says about where its lines go ----------------------------------------
+
+
+def _live(conn: redis.Redis, name: str, model: str, queues: list[str]) -> None:
+    """A live worker of ``model`` on ``queues`` as it publishes itself (its model is then
+    also seen lately)."""
+    from mlxq.broker import fleet
+    from tests.helpers import worker_record
+
+    now = time.time()
+    record = worker_record(name=name, model=model, queues=queues, started_at=now, heartbeat_at=now)
+    fleet.publish(conn, record, ttl=60)
+
+
+def test_a_mistyped_model_flag_warns_and_names_the_models_served(valkey_url, conn, tmp_path):
+    _live(conn, "w1", "org/SmolLM2", ["SmolLM2", "default"])
+    src = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    res = run_mlxq("submit", src, "--model", "org/Llama-nope", url=valkey_url)
+    assert res.returncode == 0, res.stderr
+    assert (
+        "warning: no live worker serves 1 line naming no model, for --model 'org/Llama-nope' "
+        "(queue 'Llama-nope') (live workers serve 'org/SmolLM2' on 'SmolLM2', 'default'); they "
+        "wait until one starts"
+    ) in res.stderr, res.stderr
+    assert "submitted 1 requests to queue 'Llama-nope'" in res.stdout
+    good = run_mlxq("submit", src, "--model", "SmolLM2", url=valkey_url)
+    assert good.returncode == 0 and "warning" not in good.stderr, good.stderr
+
+
+def test_lines_naming_no_model_on_a_queue_of_two_models_are_said_to_mix(valkey_url, conn, tmp_path):
+    _live(conn, "w1", "org/SmolLM2", ["SmolLM2", "default"])
+    _live(conn, "w2", "/models/tiny", ["tiny", "default"])
+    src = _jsonl(tmp_path / "in.jsonl", [{"prompt": f"p{i}"} for i in range(10)])
+    res = run_mlxq("submit", src, url=valkey_url)
+    assert res.returncode == 0, res.stderr
+    warning = [x for x in res.stderr.splitlines() if x.startswith("warning:")]
+    assert warning == [
+        "warning: 10 lines naming no model (queue 'default'): its workers run 'org/SmolLM2', "
+        "'/models/tiny', so their answers will mix models; --model MODEL pins them to one "
+        "model's workers"
+    ], res.stderr
+    pinned = run_mlxq("submit", src, "--model", "tiny", url=valkey_url)
+    assert pinned.returncode == 0 and "warning" not in pinned.stderr, pinned.stderr
+    assert "submitted 10 requests to queue 'tiny'" in pinned.stdout
+
+
+def test_submit_names_the_queues_it_used_in_every_line(valkey_url, conn, tmp_path):
+    """The `enqueueing` line and the `submitted` line name the same queues: those the lines
+    went to, with how many each when there are several."""
+    _live(conn, "w1", "org/SmolLM2", ["SmolLM2", "default"])
+    _live(conn, "w2", "/models/tiny", ["tiny", "default"])
+    rows = [{"prompt": "a", "model": "SmolLM2"}, {"prompt": "b", "model": "tiny"}, {"prompt": "c"}]
+    src = _jsonl(tmp_path / "mixed.jsonl", rows * 10)
+    res = run_mlxq("submit", src, url=valkey_url)
+    where = "queues 'SmolLM2' (10), 'tiny' (10), 'default' (10)"
+    assert f"enqueueing 30 requests to {where} (if this stops" in res.stderr, res.stderr
+    assert f"submitted 30 requests to {where} as batch" in res.stdout, res.stdout
+    only = _jsonl(tmp_path / "smol.jsonl", rows[:1] * 3)
+    typo = run_mlxq("submit", only, "--queue", "typoqueue", url=valkey_url)
+    assert "enqueueing 3 requests to queue 'SmolLM2' (if" in typo.stderr, typo.stderr
+    assert "submitted 3 requests to queue 'SmolLM2' as batch" in typo.stdout, typo.stdout
+    assert "warning" not in typo.stderr and "typoqueue" not in typo.stderr + typo.stdout
+
+
+def test_a_queue_no_worker_ever_served_warns_and_one_served_lately_is_a_note(
+    valkey_url, conn, tmp_path
+):
+    from mlxq.broker import fleet
+
+    src = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    typo = run_mlxq("submit", src, "--queue", "typoqueue", url=valkey_url)
+    assert (
+        "warning: no live worker serves 1 line naming no model (queue 'typoqueue'); they "
+        "wait until one starts"
+    ) in typo.stderr, typo.stderr
+    assert "--ignore-line-models" not in typo.stderr  # (no line names a model)
+    _live(conn, "laptop", "org/A", ["nightly"])
+    fleet.remove(conn, "laptop")  # asleep: not live, seen a moment ago
+    later = run_mlxq("submit", src, "--queue", "nightly", url=valkey_url)
+    assert "warning" not in later.stderr, later.stderr
+    assert (
+        "note: no live worker serves 1 line naming no model (queue 'nightly') now; they wait "
+        "for the workers that did, last seen "
+    ) in later.stderr, later.stderr
+    refused = run_mlxq("submit", src, "--queue", "nightly", "--require-workers", url=valkey_url)
+    assert refused.returncode == 1 and "nothing was enqueued" in refused.stderr

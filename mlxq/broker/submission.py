@@ -27,7 +27,7 @@ from mlxq.broker import keys, routing
 from mlxq.broker.batches import CHUNK, _batch_info_decoder, get_batch, new_batch_id
 from mlxq.broker.rq_store import counters, lanes
 from mlxq.errors import StartupError
-from mlxq.wire import BatchInfo, JobMeta, Request, json_encoder
+from mlxq.wire import BatchInfo, BatchModel, JobMeta, Request, json_encoder
 
 
 class ResumeRefused(ValueError):
@@ -56,11 +56,14 @@ def submit(
     on_created: Callable[[BatchInfo], None] | None = None,
     on_jobs: Callable[[list[str]], None] | None = None,
     queue_of: Callable[[str], str] = keys.queue_name_for_model,
+    models: Sequence[BatchModel] | None = None,
 ) -> BatchInfo:
     """Enqueue ``requests`` as one batch of RQ jobs and return the batch record.
 
-    A request naming a model goes to that model's queue (``queue_of`` it), one naming none
-    (or ``model``) to ``queue`` (see :mod:`mlxq.broker.routing`).
+    ``models`` is the routing plan (:func:`mlxq.broker.routing.plan` of these requests,
+    ``mlxq submit`` makes it from the fleet); without it, a request naming a model goes to
+    that model's queue (``queue_of`` it), one naming none (or ``model``) to ``queue``. The
+    plan is kept in the record, so a resume routes the rest the same way.
 
     The record comes first (state ``submitting``; ``on_created`` is called with it), then
     the jobs in chunks, each chunk in one transaction with its ids and counters, so a
@@ -71,6 +74,13 @@ def submit(
     at a time (:mod:`~mlxq.broker.rq_store.lanes`).
     """
     lanes.check_priority(priority)
+    if models is None:
+        models = routing.plan(requests, queue, model, queue_of)
+    elif sum(m.lines for m in models) != len(requests):
+        raise ValueError(
+            f"the routing plan has {sum(m.lines for m in models)} lines for "
+            f"{len(requests)} requests"
+        )
     created = time.time()
     lease = _new_lease()
     info = BatchInfo(
@@ -86,7 +96,7 @@ def submit(
         retries=retries,
         job_timeout=job_timeout,
         result_ttl=result_ttl,
-        models=routing.plan(requests, queue, model, queue_of),
+        models=list(models),
         priority=priority,
     )
     with conn.pipeline() as pipe:

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import click
 import redis
 
 from mlxq.broker import batches as q
-from mlxq.broker import fleet, keys, routing
+from mlxq.broker import keys, routing
 from mlxq.cli.results import (
     OutputFormat,
     errors_at,
@@ -22,7 +23,7 @@ from mlxq.cli.results import (
 from mlxq.cli.support import connect, fail, priority_option, progress_bar, redis_option
 from mlxq.cli.tables import input_options
 from mlxq.formats.tables import InputOptions
-from mlxq.wire import BatchModel, json_encoder
+from mlxq.wire import BatchInfo, BatchModel, json_encoder
 
 
 def read_file(path: str, skip_invalid: bool, inputs: InputOptions | None = None):  # -> ParsedInput
@@ -54,12 +55,15 @@ def _refusal(e: Any, what: str) -> str:
 @click.command()
 @click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
 @click.option(
-    "--queue", "queue_name", help="Queue to submit to [default: the model's, or 'default']."
+    "--queue",
+    "queue_name",
+    help="Queue of the lines naming no model (and those naming a model its workers serve) "
+    "[default: a queue only --model's workers serve, else its own; or 'default'].",
 )
 @click.option(
     "--model",
-    help="Model of the lines that name none; names the default queue (a line's own `model` "
-    "sends it to that model's queue).",
+    help="Model of the lines that name none: they go to a queue only its workers serve, so "
+    "they run on it (a line's own `model` goes to a queue its model's workers serve).",
 )
 @click.option("--skip-invalid", is_flag=True, help="Enqueue the valid lines and report the rest.")
 @click.option(
@@ -155,12 +159,17 @@ def submit(
         _refuse_settings_with_resume(click.get_current_context())
     parsed = read_file(file, skip_invalid, inputs)
     conn = connect(redis_url, writes_jobs=True)
+    workers = routing.Fleet.read(conn)
     if resume:
-        _check_served(conn, _plan_of(conn, resume), require_workers)
+        first = _batch_of(conn, resume)
+        _check_served(workers, _plan_of(first), first.model, require_workers)
         info = _resume(conn, resume, parsed.requests)
     else:
-        queue = queue_name or keys.queue_name_for_model(model)
-        _check_served(conn, routing.plan(parsed.requests, queue, model), require_workers)
+        queue = queue_name or routing.batch_queue(model, workers)
+        plan = routing.plan(
+            parsed.requests, queue, model, fleet=workers, given=queue_name is not None
+        )
+        _check_served(workers, plan, model, require_workers)
         info = _submit_new(
             conn,
             file,
@@ -172,44 +181,97 @@ def submit(
             expires_in=expires_in,
             model=model,
             priority=priority,
+            models=plan,
         )
     if as_json:
         click.echo(json_encoder.encode(info).decode())
     else:
-        names = info.queues()
-        queues = ("queues " if len(names) > 1 else "queue ") + ", ".join(map(repr, names))
-        click.echo(f"submitted {info.total} requests to {queues} as batch {info.batch_id}")
+        click.echo(f"submitted {info.total} requests to {_queues(info)} as batch {info.batch_id}")
     if wait:
         _wait_and_write(conn, info.batch_id, output, out_fmt, timeout)
 
 
-def _plan_of(conn: redis.Redis, batch_id: str) -> list[BatchModel]:
-    """The queues a batch's lines go to, as its first submit planned them."""
+def _queues(info: BatchInfo) -> str:
+    """``queue 'A'``, or ``queues 'A' (3), 'default' (2)``: where the batch's lines went."""
+    names = info.queues()
+    if len(names) == 1:
+        return f"queue {names[0]!r}"
+    lines = {name: 0 for name in names}
+    for m in info.models:
+        lines[m.queue] += m.lines
+    return "queues " + ", ".join(f"{name!r} ({n})" for name, n in lines.items())
+
+
+def _batch_of(conn: redis.Redis, batch_id: str) -> BatchInfo:
     try:
-        info = q.get_batch(conn, batch_id)
+        return q.get_batch(conn, batch_id)
     except q.BatchNotFound as e:
         fail(str(e))
+
+
+def _plan_of(info: BatchInfo) -> list[BatchModel]:
+    """The queues a batch's lines go to, as its first submit planned them."""
     return info.models or [BatchModel(queue=info.queue, lines=info.total, model=info.model)]
 
 
-def _check_served(conn: redis.Redis, plan: list, require: bool) -> None:
+def _check_served(
+    workers: routing.Fleet, plan: list[BatchModel], model: str | None, require: bool
+) -> None:
     """Name the lines no live worker would take: all of them refuse the file with
-    ``require``; else those naming a model are warned about (a model-less batch submitted
-    before its workers start is the usual way)."""
-    missing = routing.unserved(plan, fleet.live_workers(conn))
+    ``require``; else a warning (a note where a worker that ran them was seen lately: a
+    fleet asleep), and a warning for lines naming no model whose queue's workers run
+    several models."""
+    missing = routing.unserved(plan, workers, model)
     if require and missing:
         fail(
-            f"no live worker serves {routing.describe(missing)}; nothing was enqueued (start "
-            "`mlxq worker --model MODEL` for each, or submit without --require-workers)"
+            f"no live worker serves {routing.describe(missing, model)}; nothing was enqueued "
+            "(start `mlxq worker --model MODEL` for each, or submit without --require-workers)"
         )
-    named = [m for m in missing if m.model is not None]
-    if named:
+    recent = [m for m in missing if not routing.unserved([m], workers, model, live=None)]
+    never = [m for m in missing if m not in recent]
+    if never:
+        served = "; ".join(
+            f"{m!r} on {', '.join(map(repr, qs))}" for m, qs in workers.models_served()
+        )
+        now = f" (live workers serve {served})" if served else ""
+        ignore = any(m.model for m in never)
         click.echo(
-            f"warning: no live worker serves {routing.describe(named)}; they wait until "
-            "one starts (`mlxq worker --model MODEL`; --require-workers refuses instead; "
-            "--ignore-line-models runs every line on the batch's queue)",
+            f"warning: no live worker serves {routing.describe(never, model)}{now}; they "
+            "wait until one starts (`mlxq worker --model MODEL`; --require-workers refuses "
+            "instead"
+            + ("; --ignore-line-models runs every line on the batch's queue)" if ignore else ")"),
             err=True,
         )
+    for m in recent:
+        at = routing.last_seen(workers, m, model)
+        when = f", last seen {_ago(time.time() - at)} ago" if at is not None else ""
+        click.echo(
+            f"note: no live worker serves {routing.describe([m], model)} now; they wait for "
+            f"the workers that did{when}",
+            err=True,
+        )
+    for m, runs in routing.mixed(plan, workers):
+        pins = (
+            f"--model {model!r} pins them only on a queue that its workers alone serve"
+            if model
+            else "--model MODEL pins them to one model's workers"
+        )
+        click.echo(
+            f"warning: {routing.describe([m])}: its workers run "
+            f"{', '.join(map(repr, runs))}, so their answers will mix models; {pins}",
+            err=True,
+        )
+
+
+def _ago(seconds: float) -> str:
+    s = max(0.0, seconds)
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    if s < 2 * 86400:
+        return f"{s / 3600:.0f} h"
+    return f"{s / 86400:.0f} days"
 
 
 _BATCH_SETTINGS = (
@@ -236,7 +298,7 @@ def _refuse_settings_with_resume(ctx: click.Context) -> None:
 def _submit_new(conn: redis.Redis, file: str, requests: list, **settings: Any):  # -> BatchInfo
     def created(info: Any) -> None:
         click.echo(
-            f"batch {info.batch_id}: enqueueing {info.total} requests to queue {info.queue!r} "
+            f"batch {info.batch_id}: enqueueing {info.total} requests to {_queues(info)} "
             f"(if this stops, finish with `mlxq submit {file} --resume {info.batch_id}`)",
             err=True,
         )
