@@ -96,8 +96,10 @@ def test_hub_ids_and_their_queue_names_are_served(strict, conn):
         model = strict.models.retrieve(name)
         assert (model.id, model.object, model.owned_by) == (name, "model", "mlxq")
     with pytest.raises(openai.NotFoundError) as e:
-        strict.models.retrieve("mlx-community/Bar")  # a queue, Bar, nobody takes
+        strict.models.retrieve("mlx-community/Baz")  # a queue, Baz, nobody takes
     assert "served: mlx-community/Foo-4bit, org/Bar (queues fast, default)" in str(e.value)
+    # (mlx-community/Bar is org/Bar by its queue name: served, as workers match models)
+    assert strict.models.retrieve("mlx-community/Bar").id == "mlx-community/Bar"
     assert _batch_for(strict, "mlx-community/Foo-4bit").status == "in_progress"
     assert _batch_for(strict, None).status == "in_progress"  # w2 takes queue default
     assert waiting(conn, "Foo-4bit") == 3 and waiting(conn, "default") == 3
@@ -264,3 +266,20 @@ def test_responses_calls_outside_batches_say_how_to_batch_them(strict):
     assert 'create a batch with endpoint "/v1/responses"' in e.value.body["message"]
     with pytest.raises(openai.NotFoundError, match="in batches only"):
         strict.responses.retrieve("resp_123")
+
+
+def test_an_api_batch_goes_where_its_models_worker_listens(
+    strict, conn, valkey_url, tiny_model, tmp_path
+):
+    """A worker of the model on a queue of its own choosing (`-q evals`): the batch naming
+    the model by the name /v1/models gives goes there, and completes."""
+    worker = Worker(valkey_url, tiny_model, "-q", "evals", log=tmp_path / "w.log")
+    try:
+        worker.wait_listening(conn)
+        (listed,) = [m.id for m in strict.models.list()]
+        batch = _batch_for(strict, listed)
+        assert batch.status == "in_progress" and waiting(conn, "tiny") == 0
+        done = wait_final(strict, batch.id, timeout=120)
+        assert done.status == "completed" and done.request_counts.completed == 3
+    finally:
+        worker.stop()

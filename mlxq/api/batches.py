@@ -43,7 +43,7 @@ from mlxq.api.objects import (
 )
 from mlxq.api.validation import Validated, validate_input
 from mlxq.broker import batches as q
-from mlxq.broker import keys
+from mlxq.broker import keys, routing
 from mlxq.formats.openai_output import ENDPOINTS, unsupported_endpoint
 from mlxq.wire import BatchStatus
 
@@ -168,9 +168,10 @@ def _fail(state: BatchState, errors: list[BatchError]) -> bool:
 def _submit(
     conn: redis.Redis, batch_id: str, requests: list, model: str | None, priority: str
 ) -> None:
-    """Enqueue the requests as one mlxq batch on the model's queue, at ``priority``."""
+    """Enqueue the requests as one mlxq batch on a queue whose workers serve the model (its
+    own queue if none does yet), at ``priority``."""
     mlxq_id = q.new_batch_id()
-    queue = keys.queue_name_for_model(model)
+    queue = routing.batch_queue(model, routing.Fleet.read(conn))  # (where its workers listen)
 
     def prepare(state: BatchState) -> bool:
         state.mlxq_batch_id, state.queue = mlxq_id, queue

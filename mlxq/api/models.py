@@ -87,9 +87,13 @@ def unserved_problem(
 
 
 def serves(worker: WorkerInfo | SeenModel, model: str | None) -> bool:
-    """Whether ``worker`` takes requests for ``model``: it runs that model, or it takes the
-    model's queue (``default`` for requests that name no model)."""
-    return worker.model == model or keys.queue_name_for_model(model) in worker.queues
+    """Whether ``worker`` takes requests for ``model``: it serves that model (by any of its
+    names, on whichever queues: a batch is routed to them), or it takes the model's queue
+    (``default`` for requests that name no model)."""
+    models = [worker.model, *getattr(worker, "models", ())]
+    if model is not None and any(routing.same_model(model, m) for m in models):
+        return True
+    return keys.queue_name_for_model(model) in worker.queues
 
 
 def _unserved(model: str | None, workers: list[WorkerInfo]) -> str:

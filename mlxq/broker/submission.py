@@ -60,10 +60,11 @@ def submit(
 ) -> BatchInfo:
     """Enqueue ``requests`` as one batch of RQ jobs and return the batch record.
 
-    ``models`` is the routing plan (:func:`mlxq.broker.routing.plan` of these requests,
-    ``mlxq submit`` makes it from the fleet); without it, a request naming a model goes to
-    that model's queue (``queue_of`` it), one naming none (or ``model``) to ``queue``. The
-    plan is kept in the record, so a resume routes the rest the same way.
+    ``models`` is the routing plan (:func:`mlxq.broker.routing.plan` of these requests);
+    without it, one is made from the fleet: a request naming a model goes to a queue whose
+    workers serve it (``queue`` first, else the model's own queue; with ``queue_of``, to
+    ``queue_of`` the model), one naming none (or ``model``) to ``queue``. The plan is kept
+    in the record, so a resume routes the rest the same way.
 
     The record comes first (state ``submitting``; ``on_created`` is called with it), then
     the jobs in chunks, each chunk in one transaction with its ids and counters, so a
@@ -74,8 +75,9 @@ def submit(
     at a time (:mod:`~mlxq.broker.rq_store.lanes`).
     """
     lanes.check_priority(priority)
-    if models is None:
-        models = routing.plan(requests, queue, model, queue_of)
+    if models is None:  # (a run's private queues are its own: no fleet to route to)
+        fleet = routing.Fleet.read(conn) if queue_of is keys.queue_name_for_model else None
+        models = routing.plan(requests, queue, model, queue_of, fleet=fleet)
     elif sum(m.lines for m in models) != len(requests):
         raise ValueError(
             f"the routing plan has {sum(m.lines for m in models)} lines for "
