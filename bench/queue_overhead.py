@@ -34,9 +34,9 @@ from common import (
     write_json,
 )
 
-from mlxq.engine.sampling import Completion, EngineJob, StreamChunk
+from mlxq.engine.sampling import Completion, EngineJob
 from mlxq.engine.stats import EngineStats
-from mlxq.wire import ModelInfo, Request
+from mlxq.wire import ModelInfo, Request, StreamChunk
 
 # The stub's one token id and the text it stands for (about four characters a token).
 STUB_TOKEN, STUB_TEXT = 7, "tok "

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rq.job import Job
 
-from mlxq.broker import batches as q
+from mlxq.broker import batches as broker_batches
 from mlxq.broker.rq_store import transitions
 from mlxq.broker.serializer import serializer
 from mlxq.server import embedded
@@ -48,7 +48,7 @@ def requests(n: int) -> list[Request]:
 def finish_all(conn, batch_id: str) -> None:
     """End every job with a Result of 16-512 tokens, as a worker writes it."""
     rng = random.Random(0)
-    for ids in q.iter_job_id_chunks(conn, batch_id):
+    for ids in broker_batches.iter_job_id_chunks(conn, batch_id):
         jobs = Job.fetch_many(ids, connection=conn, serializer=serializer)
         with conn.pipeline() as pipe:
             for job in jobs:
@@ -66,18 +66,18 @@ def finish_all(conn, batch_id: str) -> None:
                     index=job.meta.get("index"),
                     timing=Timing(started_at=time.time(), finished_at=time.time()),
                 )
-                transitions.end_job(pipe, job, q.make_queue(conn, job.origin), result)
+                transitions.end_job(pipe, job, broker_batches.make_queue(conn, job.origin), result)
             pipe.execute()
 
 
 def plain_enqueue(conn, reqs: list[Request], queue: str) -> None:
     """What submitting cost before batch records came first and counters were kept: RQ's
     enqueue_many and the id list, pipelined per 1,000 (the baseline)."""
-    q_ = q.make_queue(conn, queue)
-    for at in range(0, len(reqs), q.CHUNK):
+    q_ = broker_batches.make_queue(conn, queue)
+    for at in range(0, len(reqs), broker_batches.CHUNK):
         datas = [
             q_.prepare_data("mlxq.jobs.generate", args=(r.prompt,), result_ttl=600)
-            for r in reqs[at : at + q.CHUNK]
+            for r in reqs[at : at + broker_batches.CHUNK]
         ]
         with conn.pipeline() as pipe:
             jobs = q_.enqueue_many(datas, pipeline=pipe)
@@ -136,14 +136,14 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/mlxq-scale.jsonl")
     args = ap.parse_args()
     with embedded() as url:
-        conn = q.connect(url)
+        conn = broker_batches.connect(url)
         sizes = {"big": args.jobs, "small": args.small, "tiny": args.tiny}
         batches, submit_s = {}, {}
         for name, n in sizes.items():
             reqs = requests(n)
             before = conn.info("memory")["used_memory"]
             start = time.perf_counter()
-            batches[name] = q.submit(conn, reqs, queue=name).batch_id
+            batches[name] = broker_batches.submit(conn, reqs, queue=name).batch_id
             submit_s[name] = time.perf_counter() - start
             if name == "big":
                 queued_bytes = (conn.info("memory")["used_memory"] - before) / n
@@ -152,11 +152,14 @@ def main() -> None:
         plain_enqueue(conn, reqs, "plain")
         plain_rate = args.small / (time.perf_counter() - start)
         start = time.perf_counter()
-        q.submit(conn, reqs, queue="same")
+        broker_batches.submit(conn, reqs, queue="same")
         same_rate = args.small / (time.perf_counter() - start)
-        status = {k: timed(lambda b=b: q.batch_status(conn, b), 50) for k, b in batches.items()}
+        status = {
+            k: timed(lambda b=b: broker_batches.batch_status(conn, b), 50)
+            for k, b in batches.items()
+        }
         command = {k: status_cli(url, batches[k]) for k in ("big", "tiny")}
-        counted = timed(lambda: q.count_jobs(conn, batches["big"]), 1)
+        counted = timed(lambda: broker_batches.count_jobs(conn, batches["big"]), 1)
         before = conn.info("memory")["used_memory"]
         start = time.perf_counter()
         finish_all(conn, batches["big"])
@@ -166,7 +169,7 @@ def main() -> None:
         read = {k: results_cli(url, batches[k], Path(args.out)) for k in ("big", "small")}
         lines = sum(1 for _ in open(args.out))  # the small batch's file, written last
         assert lines == args.small, lines
-        assert q.batch_status(conn, batches["big"]).finished == args.jobs
+        assert broker_batches.batch_status(conn, batches["big"]).finished == args.jobs
     big, small = read["big"], read["small"]
     print(
         f"scale: {args.jobs:,} jobs (prompts 8-200 words, results 16-512 tokens), embedded Valkey"

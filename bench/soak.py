@@ -24,7 +24,7 @@ reexec_with_openblas()
 
 import mlx.core as mx  # noqa: E402
 
-from mlxq.broker import batches as q  # noqa: E402
+from mlxq.broker import batches  # noqa: E402
 from mlxq.engine.models.make import make_model  # noqa: E402
 from mlxq.server import embedded  # noqa: E402
 from mlxq.wire import Request  # noqa: E402
@@ -75,8 +75,10 @@ def main() -> None:
     every = args.jobs // args.batches
     rows: list[tuple[int, float, float, float, float]] = []
     with embedded() as url:
-        conn = q.connect(url)
-        info = q.submit(conn, requests(args.jobs, 0, args.max_tokens, args.sentences), queue="soak")
+        conn = batches.connect(url)
+        info = batches.submit(
+            conn, requests(args.jobs, 0, args.max_tokens, args.sentences), queue="soak"
+        )
         profile = WorkerProfile(model=model, max_batch=args.max_batch, name="soak")
         start, done = time.monotonic(), [0]
 
@@ -98,7 +100,7 @@ def main() -> None:
         run_worker(
             profile, conn, burst=True, queues=["soak"], on_finish=sample, log_level="WARNING"
         )
-        s = q.batch_status(conn, info.batch_id)
+        s = batches.batch_status(conn, info.batch_id)
         assert s.finished == args.jobs, s
     print(
         f"soak: {args.jobs} jobs of 1-{args.max_tokens} tokens through one worker, model "

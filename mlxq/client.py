@@ -16,8 +16,7 @@ from typing import Any
 import msgspec
 import redis
 
-from mlxq.broker import batches as q
-from mlxq.broker import keys
+from mlxq.broker import batches, keys
 from mlxq.wire import BatchInfo, BatchStatus, Request, Result, StreamEntry
 
 
@@ -32,7 +31,7 @@ class Client:
                     f"no Redis to talk to: pass redis_url or set {keys.ENV_REDIS_URL} "
                     "(e.g. redis://localhost:6379/0)"
                 )
-            connection = q.connect(url)
+            connection = batches.connect(url)
         self.connection = connection
 
     def submit(
@@ -55,7 +54,7 @@ class Client:
     ) -> tuple[BatchInfo, list[str]]:
         reqs = [_as_request(r, i) for i, r in enumerate(requests)]
         ids: list[str] = []
-        return q.submit(self.connection, reqs, on_jobs=ids.extend, **kwargs), ids
+        return batches.submit(self.connection, reqs, on_jobs=ids.extend, **kwargs), ids
 
     def submit_one(self, request: Request | Mapping[str, Any], **kwargs: Any) -> str:
         """Enqueue one request; returns its job id."""
@@ -65,7 +64,7 @@ class Client:
         """The job's result, waiting up to ``timeout`` seconds; None if not done by then."""
         deadline = time.monotonic() + timeout
         while True:
-            result = q.fetch_results(self.connection, [job_id])[0]
+            result = batches.fetch_results(self.connection, [job_id])[0]
             if result is not None or time.monotonic() >= deadline:
                 return result
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
@@ -79,15 +78,15 @@ class Client:
 
     def status(self, batch_id: str) -> BatchStatus:
         """Counts of a batch's jobs by state."""
-        return q.batch_status(self.connection, batch_id)
+        return batches.batch_status(self.connection, batch_id)
 
     def results(self, batch_id: str) -> list[Result | None]:
         """The batch's results so far, in input order (None where not done)."""
-        return list(q.iter_batch_results(self.connection, batch_id))
+        return list(batches.iter_batch_results(self.connection, batch_id))
 
     def wait(self, batch_id: str, timeout: float | None = None) -> list[Result]:
         """Wait for every job of the batch and return all results in input order."""
-        q.wait_for_batch(self.connection, batch_id, timeout=timeout)
+        batches.wait_for_batch(self.connection, batch_id, timeout=timeout)
         return [r for r in self.results(batch_id) if r is not None]
 
 

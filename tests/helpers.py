@@ -120,15 +120,14 @@ def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 10.0) -> N
 def dequeued(conn: Any, n: int, queue: str, result_ttl: int | None = None) -> tuple[str, Any, list]:
     """``n`` jobs submitted to ``queue`` (as one batch) and dequeued by a live worker with
     no engine: (batch id, worker, [(job, queue)])."""
-    from mlxq.broker import batches as q
-    from mlxq.broker import keys
+    from mlxq.broker import batches, keys
     from mlxq.broker.intake import dequeue_many
     from mlxq.wire import Request
     from mlxq.worker.rq_worker import MlxqWorker
 
     reqs = [Request(prompt=f"p{i}", max_tokens=4, custom_id=f"c{i}") for i in range(n)]
     ttl = keys.DEFAULT_RESULT_TTL if result_ttl is None else result_ttl
-    batch = q.submit(conn, reqs, queue=queue, result_ttl=ttl).batch_id
+    batch = batches.submit(conn, reqs, queue=queue, result_ttl=ttl).batch_id
     worker = MlxqWorker([queue], connection=conn, runner=None, model_name="m")  # type: ignore[arg-type]
     worker.register_birth()
     return batch, worker, dequeue_many(worker, n)

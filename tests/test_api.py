@@ -26,8 +26,7 @@ from api_servers import (
 )
 
 from mlxq.api import redis_keys as rk
-from mlxq.broker import batches as q
-from mlxq.broker import keys
+from mlxq.broker import batches, keys
 from tests.helpers import waiting
 
 # -- the whole flow -----------------------------------------------------------------------
@@ -199,7 +198,7 @@ def test_a_cancel_runs_once_on_its_own_thread_and_reads_never_wait_on_it(
         answers = [c.result() for c in calls]
     assert all(took < 1.0 for _, took in answers), [took for _, took in answers]
     assert conn.get(keys.batch_cancelled(mlxq_id)) == b"stop"
-    assert q.get_batch(conn, mlxq_id).state == "cancelled"
+    assert batches.get_batch(conn, mlxq_id).state == "cancelled"
     for _ in range(5):
         read, took = timed(lambda: client.batches.retrieve(batch.id))
         assert read.status == "cancelling" and took < 1.0

@@ -168,3 +168,48 @@ def test_the_roofline_bound_is_the_weight_read_against_the_flops() -> None:
     # A prompt of 900 tokens at 1,800 FLOPs each (the head's 200 not counted) adds 1.62 us
     # to both: (1.62 + 0.2) / (1.62 + 0.002) = 1.12x end to end.
     assert cost.bound(10, prompt=900, output=1)[4] == "1.12x"
+
+
+def test_llama_server_bench_builds_the_same_requests_and_a_side_by_side_table() -> None:
+    # The pure-Python parts of bench/llama_server.py: no llama.cpp build, no model.
+    sys.path.insert(0, str(ROOT / "bench"))
+    from llama_server import (
+        SideRun,
+        chat_body,
+        chat_workload,
+        context_size,
+        long_message,
+        long_workload,
+        side_table,
+    )
+
+    chat = chat_workload(256)
+    assert chat.name == "chat256" and len(chat.messages) == len(chat.max_tokens) == 256
+    assert all(16 <= m <= 256 for m in chat.max_tokens) and len(set(chat.max_tokens)) > 50
+    assert chat_workload(256) == chat  # seeded: every run, every side the same
+    assert len({m[0]["content"] for m in chat.messages}) == 256  # no two prompts alike
+
+    # Long prompts: the most notes whose templated length stays within the target.
+    def words(messages: list[dict[str, str]]) -> int:
+        return 20 + len(messages[0]["content"].split())
+
+    long = long_workload(words, n=3, target=500, gen=64)
+    assert len(long.messages) == 3 and long.max_tokens == [64] * 3
+    for i, m in enumerate(long.messages):
+        notes = m[0]["content"].count("\n") - 3
+        assert words(m) <= 500 < words(long_message(i, notes + 1))
+    assert long.messages[0] != long.messages[1]
+
+    body = chat_body(chat.messages[0], 17)
+    assert body["max_tokens"] == 17 and body["temperature"] == 0.0 and body["top_k"] == 1
+    assert body["cache_prompt"] is False  # rounds must not find the last round's prompts
+    assert context_size([100, 1480], [256, 64], slots=16) == 16 * 1792
+
+    mlxq = [SideRun("mlxq", 10.0, 1000, 500, 3_000_000_000), SideRun("mlxq", 20.0, 1000, 500)]
+    llama = [SideRun("llama-server", 5.0, 1000, 500, 1_000_000_000, eos=7)] * 2
+    out = side_table(mlxq, llama)
+    ratio = out.splitlines()[-1].split()
+    assert ratio[:3] == ["mlxq", "/", "llama-server"]
+    # medians: mlxq 37.5 gen tok/s (50 and 25), llama 100; RSS: the most of any round
+    assert ratio[3:5] == ["0.38x", "0.38x"] and ratio[-1] == "3.00x"
+    assert "50.0 25.0" in out and "   7   " in out

@@ -126,12 +126,12 @@ def test_results_in_openai_batch_format_with_an_errors_file(valkey_url, conn, tm
 
 
 def test_rq_info_shows_mlxq_queues_and_workers(valkey_url, conn, tiny_model):
-    from mlxq.broker import batches as q
+    from mlxq.broker import batches
     from mlxq.wire import Request
     from mlxq.worker.launch import run_worker
     from mlxq.worker.profile import WorkerProfile
 
-    q.submit(conn, [Request(prompt=f"p{i}", max_tokens=3) for i in range(4)], queue="rqi")
+    batches.submit(conn, [Request(prompt=f"p{i}", max_tokens=3) for i in range(4)], queue="rqi")
     seen = []
 
     def on_finish(_result) -> None:

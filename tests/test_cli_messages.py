@@ -12,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from mlxq.broker import batches as q
+from mlxq.broker import batches
 from tests.helpers import Worker, run_mlxq, start_submit
 
 
@@ -86,7 +86,7 @@ def test_a_tsv_file_is_read_as_a_tab_separated_table(valkey_url, conn, tmp_path)
     ]
     res = run_mlxq("submit", str(tsv), "--id-column", "id", "--queue", "tsv", url=valkey_url)
     assert res.returncode == 0, res.stderr
-    assert q.batch_status(conn, res.stdout.split()[-1]).total == 2
+    assert batches.batch_status(conn, res.stdout.split()[-1]).total == 2
 
 
 def test_temp_is_temperature(valkey_url, conn, tmp_path):
@@ -97,7 +97,7 @@ def test_temp_is_temperature(valkey_url, conn, tmp_path):
     src = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
     res = run_mlxq("submit", src, "--temp", "0.25", "--queue", "t", url=valkey_url)
     assert res.returncode == 0, res.stderr
-    (job_id,) = q.batch_job_ids(conn, res.stdout.split()[-1])
+    (job_id,) = batches.batch_job_ids(conn, res.stdout.split()[-1])
     job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
     assert "0.25" in json.dumps(job.args)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxq.broker import batches as q
+from mlxq.broker import batches
 from mlxq.broker.rq_store import rq_keys, states
 from mlxq.broker.rq_store.counters import read_counts
 from mlxq.wire import Request
@@ -44,58 +44,58 @@ def test_retries_failures_and_retry_keep_counts_exact(conn, profile):
         Request(prompt="fine", max_tokens=3, custom_id="ok"),
         Request(prompt=[1, 99999], max_tokens=3, custom_id="bad"),  # token id out of range
     ]
-    info = q.submit(conn, reqs, queue="cnt", retries=2)
+    info = batches.submit(conn, reqs, queue="cnt", retries=2)
     run_worker(profile, conn, burst=True, queues=["cnt"])
     want = dict.fromkeys(states.BUCKETS, 0) | {"finished": 1, "failed": 1}
-    assert counters(conn, info.batch_id) == q.count_jobs(conn, info.batch_id) == want
-    ok, bad = q.iter_batch_results(conn, info.batch_id)
+    assert counters(conn, info.batch_id) == batches.count_jobs(conn, info.batch_id) == want
+    ok, bad = batches.iter_batch_results(conn, info.batch_id)
     # A failure stores the same full Result as a success: who ran it, when, and why.
     assert bad.finish_reason == "error" and "99999" in bad.error
     assert bad.worker and bad.worker == ok.worker and bad.model == profile.model
     assert bad.custom_id == "bad" and bad.index == 1 and bad.batch_id == info.batch_id
     assert bad.timing.enqueued_at and bad.timing.started_at
-    assert q.retry_failed(conn, q.batch_job_ids(conn, info.batch_id)) == 1
-    s = q.batch_status(conn, info.batch_id)
+    assert batches.retry_failed(conn, batches.batch_job_ids(conn, info.batch_id)) == 1
+    s = batches.batch_status(conn, info.batch_id)
     assert (s.queued, s.finished, s.failed) == (1, 1, 0)
-    assert q.retry_failed(conn, q.batch_job_ids(conn, info.batch_id)) == 0  # not twice
+    assert batches.retry_failed(conn, batches.batch_job_ids(conn, info.batch_id)) == 0  # not twice
 
 
 def test_cancelled_and_expired_jobs_count_and_store_full_results(conn, profile):
-    cancelled = q.submit(conn, [Request(prompt=f"c{i}", custom_id=f"c{i}") for i in range(5)])
-    assert q.cancel_batch(conn, cancelled.batch_id) == (5, 0)
-    assert q.cancel_batch(conn, cancelled.batch_id) == (0, 0)  # nothing left to cancel
-    s = q.batch_status(conn, cancelled.batch_id)
+    cancelled = batches.submit(conn, [Request(prompt=f"c{i}", custom_id=f"c{i}") for i in range(5)])
+    assert batches.cancel_batch(conn, cancelled.batch_id) == (5, 0)
+    assert batches.cancel_batch(conn, cancelled.batch_id) == (0, 0)  # nothing left to cancel
+    s = batches.batch_status(conn, cancelled.batch_id)
     assert (s.queued, s.cancelled, s.done) == (0, 5, 5)
-    assert counters(conn, cancelled.batch_id) == q.count_jobs(conn, cancelled.batch_id)
-    results = list(q.iter_batch_results(conn, cancelled.batch_id))
+    assert counters(conn, cancelled.batch_id) == batches.count_jobs(conn, cancelled.batch_id)
+    results = list(batches.iter_batch_results(conn, cancelled.batch_id))
     assert [r.custom_id for r in results] == [f"c{i}" for i in range(5)]
     assert all(r.finish_reason == "cancelled" and r.timing.enqueued_at for r in results)
     assert waiting(conn, "default") == 0
 
     reqs = [Request(prompt=f"e{i}", max_tokens=3) for i in range(3)]
-    expired = q.submit(conn, reqs, queue="exp", expires_in=1)
+    expired = batches.submit(conn, reqs, queue="exp", expires_in=1)
     time.sleep(1.1)
     run_worker(profile, conn, burst=True, queues=["exp"])
-    s = q.batch_status(conn, expired.batch_id)
+    s = batches.batch_status(conn, expired.batch_id)
     assert (s.expired, s.failed, s.done, s.started) == (3, 3, 3, 0)
     assert counters(conn, expired.batch_id)["expired"] == 3
 
 
 def test_status_is_read_from_counters_not_jobs(conn):
-    info = q.submit(conn, [Request(prompt=f"p{i}") for i in range(2500)], queue="big")
+    info = batches.submit(conn, [Request(prompt=f"p{i}") for i in range(2500)], queue="big")
     # Counters, not the jobs, are what status reads: a job's hash deleted behind mlxq's
     # back does not change it (counting job by job would call it expired).
-    conn.delete(rq_keys.job_key(q.batch_job_ids(conn, info.batch_id)[0]))
-    s = q.batch_status(conn, info.batch_id)
+    conn.delete(rq_keys.job_key(batches.batch_job_ids(conn, info.batch_id)[0]))
+    s = batches.batch_status(conn, info.batch_id)
     assert (s.total, s.queued, s.enqueued, s.state) == (2500, 2500, 2500, "submitted")
-    assert q.count_jobs(conn, info.batch_id)["expired"] == 1
+    assert batches.count_jobs(conn, info.batch_id)["expired"] == 1
 
 
 def test_results_stream_in_input_order_across_chunks(conn, profile):
-    n = 2 * q.CHUNK + 7
-    info = q.submit(conn, [Request(prompt=f"r{i}", custom_id=f"r{i}") for i in range(n)])
-    q.cancel_batch(conn, info.batch_id)
-    stream = q.iter_batch_results(conn, info.batch_id)
+    n = 2 * batches.CHUNK + 7
+    info = batches.submit(conn, [Request(prompt=f"r{i}", custom_id=f"r{i}") for i in range(n)])
+    batches.cancel_batch(conn, info.batch_id)
+    stream = batches.iter_batch_results(conn, info.batch_id)
     assert next(stream).custom_id == "r0"  # a generator: nothing read past the first chunk
     rest = [r.custom_id for r in stream]
     assert rest == [f"r{i}" for i in range(1, n)]
@@ -103,15 +103,15 @@ def test_results_stream_in_input_order_across_chunks(conn, profile):
 
 def test_resume_refuses_other_requests_and_a_live_submit(conn):
     reqs = [Request(prompt=f"p{i}") for i in range(3)]
-    info = q.submit(conn, reqs)
-    with pytest.raises(q.ResumeRefused, match="not the ones batch"):
-        q.resume(conn, info.batch_id, reqs[:2])
-    again, before = q.resume(conn, info.batch_id, reqs)  # complete: nothing more to do
-    assert before == 3 and q.batch_status(conn, info.batch_id).queued == 3
+    info = batches.submit(conn, reqs)
+    with pytest.raises(batches.ResumeRefused, match="not the ones batch"):
+        batches.resume(conn, info.batch_id, reqs[:2])
+    again, before = batches.resume(conn, info.batch_id, reqs)  # complete: nothing more to do
+    assert before == 3 and batches.batch_status(conn, info.batch_id).queued == 3
     assert again.state == "submitted" and not conn.exists(f"mlxq:batch:{info.batch_id}:submitting")
     conn.set(f"mlxq:batch:{info.batch_id}:submitting", "pid 1 on elsewhere")
-    with pytest.raises(q.ResumeRefused, match="still being submitted by pid 1 on elsewhere"):
-        q.resume(conn, info.batch_id, reqs)
+    with pytest.raises(batches.ResumeRefused, match="still being submitted by pid 1 on elsewhere"):
+        batches.resume(conn, info.batch_id, reqs)
 
 
 def test_resume_keeps_the_batchs_own_settings(tmp_path):

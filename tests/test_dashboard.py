@@ -24,8 +24,7 @@ from helpers import ROOT, free_port, run_mlxq, wait_for_port
 from test_fleet import make_info
 
 from mlxq.api.dashboard_state import STALL_AFTER_S, Dashboard
-from mlxq.broker import batches as q
-from mlxq.broker import fleet, keys
+from mlxq.broker import batches, fleet, keys
 from mlxq.wire import Request
 
 pytest.importorskip("starlette")
@@ -150,10 +149,10 @@ def live_fleet(valkey_url, conn, tiny_model) -> Iterator[dict]:
     worker = start_worker(tiny_model, env)
     try:
         reqs = [Request(prompt=f"count {i}", max_tokens=4, custom_id=f"d{i}") for i in range(3)]
-        done = q.submit(conn, reqs, queue="dash", source="done.jsonl")
-        status = q.wait_for_batch(conn, done.batch_id, timeout=180)
+        done = batches.submit(conn, reqs, queue="dash", source="done.jsonl")
+        status = batches.wait_for_batch(conn, done.batch_id, timeout=180)
         assert status.finished == 3, status
-        waiting = q.submit(conn, reqs[:2], queue="nobody", source="waiting.csv")
+        waiting = batches.submit(conn, reqs[:2], queue="nobody", source="waiting.csv")
         yield {"done": done.batch_id, "waiting": waiting.batch_id, "model": tiny_model, "env": env}
     finally:
         stop(worker)
@@ -262,7 +261,7 @@ def test_snapshot_flags_stalled_workers_and_estimates_the_eta(conn):
     late = now - STALL_AFTER_S - 5
     fleet.publish(conn, make_info("late", queues=["eq"], heartbeat_at=late), ttl=60)
     reqs = [Request(prompt="x", custom_id=f"c{i}") for i in range(4)]
-    info = q.submit(conn, reqs, queue="eq")
+    info = batches.submit(conn, reqs, queue="eq")
 
     clock = [1000.0]
     dash = Dashboard(conn, clock=lambda: clock[0])
@@ -272,7 +271,7 @@ def test_snapshot_flags_stalled_workers_and_estimates_the_eta(conn):
     (row,) = first.batches
     assert row.state == "queued" and row.eta_s is None and row.tokens_per_s is None
 
-    q.cancel_jobs(conn, q.batch_job_ids(conn, info.batch_id)[:2])  # 2 of 4 done
+    batches.cancel_jobs(conn, batches.batch_job_ids(conn, info.batch_id)[:2])  # 2 of 4 done
     clock[0] += 10
     (row,) = dash.snapshot().batches
     assert (row.done, row.cancelled, row.state) == (2, 2, "running")

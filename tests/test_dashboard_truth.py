@@ -28,8 +28,7 @@ from test_fleet import make_info
 from mlxq.api import store
 from mlxq.api.dashboard_history import RateHistory
 from mlxq.api.dashboard_state import Dashboard, worker_row
-from mlxq.broker import batches as q
-from mlxq.broker import fleet, keys
+from mlxq.broker import batches, fleet, keys
 from mlxq.engine.hardware import DeviceFacts
 from mlxq.engine.scheduler import Scheduler
 from mlxq.server import make_server
@@ -110,9 +109,9 @@ def troubled_fleet(valkey_url, conn, tiny_model) -> Iterator[dict]:
         reqs = [Request(prompt="hi", max_tokens=4, custom_id="ok")] + [
             Request(prompt="hi", max_tokens=3000 + 1000 * i, custom_id=f"big{i}") for i in range(3)
         ]
-        failing = q.submit(conn, reqs, queue="dash", source="mixed.jsonl")
-        assert q.wait_for_batch(conn, failing.batch_id, timeout=180).failed == 3
-        stuck = q.submit(conn, reqs[:2], queue="nobody", source="stuck.csv")
+        failing = batches.submit(conn, reqs, queue="dash", source="mixed.jsonl")
+        assert batches.wait_for_batch(conn, failing.batch_id, timeout=180).failed == 3
+        stuck = batches.submit(conn, reqs[:2], queue="nobody", source="stuck.csv")
         backdate(conn, stuck.batch_id, 7 * 60 + 5)
         big = make_info("big-w", queues=["big"], in_flight=264, max_batch=256)
         fleet.publish(conn, big, ttl=600)
@@ -124,8 +123,8 @@ def troubled_fleet(valkey_url, conn, tiny_model) -> Iterator[dict]:
 def run_throughput_batch(conn) -> None:
     """Tokens the dashboard sees generated while it runs (for the chart)."""
     reqs = [Request(prompt=f"tell me {i}", max_tokens=24, custom_id=f"t{i}") for i in range(8)]
-    info = q.submit(conn, reqs, queue="dash")
-    assert q.wait_for_batch(conn, info.batch_id, timeout=180).finished == 8
+    info = batches.submit(conn, reqs, queue="dash")
+    assert batches.wait_for_batch(conn, info.batch_id, timeout=180).finished == 8
 
 
 def quiet_line(text: str) -> str:
@@ -358,11 +357,11 @@ def busy_fleet(valkey_url, conn) -> Iterator[dict]:
         w.in_flight, w.decoding = 136, 128
 
     reqs = [Request(prompt=f"q{i}", max_tokens=512, custom_id=f"r{i}") for i in range(300)]
-    big = q.submit(conn, reqs, queue=BIG_Q, model=LLAMA, source="eval-300.jsonl")
+    big = batches.submit(conn, reqs, queue=BIG_Q, model=LLAMA, source="eval-300.jsonl")
     rq_worker, held = started_jobs(conn, BIG_Q, 280)
     end_jobs(conn, rq_worker, held[:8])
     backdate(conn, big.batch_id, 120)
-    small = q.submit(conn, reqs[:4], queue=BIG_Q, model=LLAMA, priority="high")
+    small = batches.submit(conn, reqs[:4], queue=BIG_Q, model=LLAMA, priority="high")
     small_worker, small_held = started_jobs(conn, BIG_Q, 2)
     assert {j.meta["batch_id"] for j, _, _ in small_held} == {small.batch_id}
 
@@ -386,7 +385,7 @@ def busy_fleet(valkey_url, conn) -> Iterator[dict]:
         end_jobs(conn, rq_worker, held[8:])
         end_jobs(conn, small_worker, small_held)
         for batch_id in (big.batch_id, small.batch_id, api_mlxq):
-            q.cancel_batch(conn, batch_id)
+            batches.cancel_batch(conn, batch_id)
         gpu_a.end_jobs(at=80, n=4, tokens=500)  # their last jobs ended 20 s before they say
         gpu_b.end_jobs(at=80, n=4, tokens=500)
         for w in workers:
@@ -499,7 +498,7 @@ def test_a_busy_then_idle_fleet_reads_true_at_desktop_and_phone_width(
 # -- without a browser -------------------------------------------------------------------------
 def test_a_batch_that_stops_moving_is_flagged_after_the_configured_time(conn):
     reqs = [Request(prompt="x", custom_id=f"c{i}") for i in range(4)]
-    info = q.submit(conn, reqs, queue="eq")
+    info = batches.submit(conn, reqs, queue="eq")
     wall = [time.time()]
     dash = Dashboard(conn, clock=lambda: wall[0], wall=lambda: wall[0], stuck_after_s=60)
 
@@ -509,18 +508,18 @@ def test_a_batch_that_stops_moving_is_flagged_after_the_configured_time(conn):
         (row,) = dash.snapshot().batches
         return row.flags
 
-    q.cancel_jobs(conn, q.batch_job_ids(conn, info.batch_id)[:1])  # one ended: it moved
+    batches.cancel_jobs(conn, batches.batch_job_ids(conn, info.batch_id)[:1])  # one ended: it moved
     assert look(0) == []
     assert look(59) == []  # quiet for less than the minute asked for
     assert look(61) == ["no progress for 2 min"]
-    q.cancel_jobs(conn, q.batch_job_ids(conn, info.batch_id)[1:2])  # it moves again
+    batches.cancel_jobs(conn, batches.batch_job_ids(conn, info.batch_id)[1:2])  # it moves again
     assert look(5) == []
 
 
 def test_a_stalled_worker_does_not_count_as_serving_its_queue(conn):
     now = time.time()
     fleet.publish(conn, make_info("gone", queues=["sq"], heartbeat_at=now, state="stalled"), 60)
-    q.submit(conn, [Request(prompt="x")], queue="sq")
+    batches.submit(conn, [Request(prompt="x")], queue="sq")
     snap = Dashboard(conn).snapshot()
     (queue,) = [x for x in snap.queues if x.name == "sq"]
     assert queue.workers == 0 and queue.flag == "no worker serves queue sq (1 stalled)"

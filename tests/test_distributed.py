@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from mlxq.broker import batches as q
+from mlxq.broker import batches
 from mlxq.broker.rq_store import rq_keys
 from mlxq.cli.worker import STALLED_EXIT
 from mlxq.engine.distributed.start import Hello, mismatch
@@ -135,15 +135,15 @@ def submit(conn: redis.Redis, n: int, max_tokens: int) -> str:
         Request(prompt=list(range(3, 3 + 2 + 5 * (i % 4))), max_tokens=max_tokens - 3 * (i % 5))
         for i in range(n)
     ]
-    return q.submit(conn, reqs, queue="default").batch_id
+    return batches.submit(conn, reqs, queue="default").batch_id
 
 
 def once_each(conn: redis.Redis, batch_id: str, n: int) -> dict[int, list[int]]:
     """Every job finished with exactly one result; token ids by input line."""
-    q.wait_for_batch(conn, batch_id, timeout=120)
-    ids = q.batch_job_ids(conn, batch_id)
+    batches.wait_for_batch(conn, batch_id, timeout=120)
+    ids = batches.batch_job_ids(conn, batch_id)
     assert len(ids) == n and [conn.xlen(rq_keys.results_key(j)) for j in ids] == [1] * n
-    results = [r for r in q.iter_batch_results(conn, batch_id) if r is not None]
+    results = [r for r in batches.iter_batch_results(conn, batch_id) if r is not None]
     assert {r.finish_reason for r in results} <= {"length", "stop"}
     return {r.index: r.token_ids for r in results if r.index is not None}
 
@@ -248,7 +248,7 @@ def test_a_frozen_rank_0_woken_after_a_rescue_finished_its_jobs_runs_none_twice(
     leader = _signal_mid_batch(conn, batch, worker, 0, signal.SIGSTOP)
     rescue = Worker(valkey_url, tp_model, log=tmp_path / "rescue.log")  # long-lived
     try:  # it takes the jobs back once rank 0's heartbeats lapse (--abandon-after)
-        q.wait_for_batch(conn, batch, timeout=300)
+        batches.wait_for_batch(conn, batch, timeout=300)
     finally:
         os.kill(leader, signal.SIGCONT)
     code = worker.wait(STALL_S + GRACE_S + 30)
@@ -267,7 +267,7 @@ def _signal_mid_batch(
 ) -> int:
     """Send ``sig`` to ``rank`` of the worker once the batch's jobs run; its pid."""
     pid = _rank(worker.pid, rank)
-    while q.batch_status(conn, batch).started == 0:
+    while batches.batch_status(conn, batch).started == 0:
         assert worker.poll() is None, worker.stderr.read() if worker.stderr else ""
         time.sleep(0.05)
     os.kill(pid, sig)
@@ -282,7 +282,7 @@ def _jobs_back_on_exit(
     code = worker.wait(STALL_S + GRACE_S + 30)
     err = worker.stderr.read() if worker.stderr else ""
     assert time.monotonic() - since < STALL_S + GRACE_S, err
-    status = q.batch_status(conn, batch)
+    status = batches.batch_status(conn, batch)
     assert status.started == 0 and status.queued + status.finished == n, (status, err)
     return code, err
 

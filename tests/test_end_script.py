@@ -12,8 +12,7 @@ from rq.job import Job, JobStatus
 from rq.registry import FinishedJobRegistry, StartedJobRegistry
 from rq.results import Result as RQResult
 
-from mlxq.broker import batches as q
-from mlxq.broker import keys
+from mlxq.broker import batches, keys
 from mlxq.broker.intake import register
 from mlxq.broker.rq_store import end_script, rq_keys, transitions
 from mlxq.broker.serializer import serializer
@@ -83,8 +82,8 @@ def test_a_finished_job_ends_as_rq_ends_it(conn: redis.Redis, result_ttl: int) -
     assert msgspec.convert(latest.return_value, Result) == _result(b)
     raw = conn.xrange(rq_keys.results_key(b.id))[0][1][b"return_value"]
     assert serializer.loads(base64.b64decode(raw))["text"] == "ok"
-    assert [r.text for r in q.iter_batch_results(conn, batch)] == ["ok", "ok"]
-    status = q.batch_status(conn, batch)
+    assert [r.text for r in batches.iter_batch_results(conn, batch)] == ["ok", "ok"]
+    status = batches.batch_status(conn, batch)
     assert (status.finished, status.started) == (2, 0), status
     counts = conn.hgetall(worker.key)
     assert counts[b"successful_job_count"] == b"2"
@@ -102,7 +101,7 @@ def test_a_job_another_worker_holds_now_is_left_alone(conn: redis.Redis) -> None
     assert end_script.end_finished(worker, [ending]) == [False]
     assert conn.hgetall(job.key) == before
     assert not conn.exists(rq_keys.results_key(job.id))
-    assert q.batch_status(conn, batch).started == 1
+    assert batches.batch_status(conn, batch).started == 1
 
 
 def test_only_finished_jobs_that_keep_their_hash_take_the_script() -> None:

@@ -12,8 +12,7 @@ from click.testing import CliRunner
 from helpers import free_port, wait_for_port
 from rq.job import Job
 
-from mlxq.broker import batches as q
-from mlxq.broker import fleet, keys
+from mlxq.broker import batches, fleet, keys
 from mlxq.broker.serializer import serializer
 from mlxq.cli.fleet import format_workers, print_queue_overview, workers
 from mlxq.wire import Request, WorkerInfo
@@ -102,9 +101,9 @@ def test_no_workers_at_all(conn):
 # -- queue overview ----------------------------------------------------------------------
 def test_queue_overview_counts_queued_jobs_and_the_oldest_wait(conn):
     t0 = time.time()
-    q.submit(conn, [Request(prompt=f"a{i}") for i in range(3)], queue="alpha")
+    batches.submit(conn, [Request(prompt=f"a{i}") for i in range(3)], queue="alpha")
     t1 = time.time()
-    q.submit(conn, [Request(prompt="b")], queue="beta")
+    batches.submit(conn, [Request(prompt="b")], queue="beta")
     fleet.publish(conn, make_info("w1", queues=["alpha", "default"]), ttl=30)
     fleet.publish(conn, make_info("w2", queues=["alpha"]), ttl=30)
 
@@ -119,11 +118,11 @@ def test_queue_overview_counts_queued_jobs_and_the_oldest_wait(conn):
 
 
 def test_oldest_job_is_found_behind_jobs_put_back_at_the_front(conn):
-    first = q.submit(conn, [Request(prompt="old")], queue="qq")
+    first = batches.submit(conn, [Request(prompt="old")], queue="qq")
     time.sleep(0.05)
-    second = q.submit(conn, [Request(prompt="new")], queue="qq")
-    (old_id,) = q.batch_job_ids(conn, first.batch_id)
-    (new_id,) = q.batch_job_ids(conn, second.batch_id)
+    second = batches.submit(conn, [Request(prompt="new")], queue="qq")
+    (old_id,) = batches.batch_job_ids(conn, first.batch_id)
+    (new_id,) = batches.batch_job_ids(conn, second.batch_id)
     conn.lrem(keys.lane("qq", second.batch_id), 1, new_id)
     conn.lpush("rq:queue:qq", new_id)  # as a stopping worker puts a job back
     (qi,) = fleet.queue_overview(conn)
@@ -132,8 +131,8 @@ def test_oldest_job_is_found_behind_jobs_put_back_at_the_front(conn):
 
 
 def test_jobs_deleted_while_queued_are_skipped(conn):
-    info = q.submit(conn, [Request(prompt="x"), Request(prompt="y")], queue="qq")
-    first, second = q.batch_job_ids(conn, info.batch_id)
+    info = batches.submit(conn, [Request(prompt="x"), Request(prompt="y")], queue="qq")
+    first, second = batches.batch_job_ids(conn, info.batch_id)
     conn.delete(f"rq:job:{first}")
     (qi,) = fleet.queue_overview(conn)
     assert qi.queued == 2  # the id is still listed; RQ skips it on dequeue
@@ -145,7 +144,7 @@ def test_started_jobs_are_counted_from_rqs_registry(conn):
     from mlxq.broker.intake import dequeue_many, register
     from mlxq.worker.rq_worker import MlxqWorker
 
-    q.submit(conn, [Request(prompt="x"), Request(prompt="y")], queue="qq")
+    batches.submit(conn, [Request(prompt="x"), Request(prompt="y")], queue="qq")
     worker = MlxqWorker(["qq"], connection=conn, runner=None, model_name="m")  # type: ignore[arg-type]
     worker.register_birth()
     register(worker, dequeue_many(worker, 1))
@@ -162,7 +161,7 @@ def test_finished_and_failed_counts_after_a_real_worker(conn, tiny_model):
         Request(prompt=[1, 2, 10**9], max_tokens=3),  # outside the vocabulary: fails
         Request(prompt="also fine", max_tokens=3),
     ]
-    q.submit(conn, reqs, queue="real")
+    batches.submit(conn, reqs, queue="real")
     run_worker(WorkerProfile(model=tiny_model, max_batch=4), conn, burst=True, queues=["real"])
     (qi,) = fleet.queue_overview(conn)
     assert (qi.queued, qi.started, qi.finished, qi.failed) == (0, 0, 2, 1)
@@ -174,7 +173,7 @@ def test_queue_overview_of_an_empty_redis(conn):
 
 
 def test_print_queue_overview_table_and_json(conn, capsys):
-    q.submit(conn, [Request(prompt="x")] * 2, queue="alpha")
+    batches.submit(conn, [Request(prompt="x")] * 2, queue="alpha")
     print_queue_overview(conn, as_json=False)
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == [

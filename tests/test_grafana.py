@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, free_port, wait_for_port
 
-from mlxq.broker import batches as q
+from mlxq.broker import batches
 from mlxq.wire import Request
 
 pytest.importorskip("prometheus_client")
@@ -89,8 +89,8 @@ def worker_port(valkey_url, conn, tiny_model) -> Iterator[int]:
         wait_for_port(port, worker, timeout=120)
         reqs = [Request(prompt=f"p{i}", max_tokens=3) for i in range(3)]
         reqs.append(Request(prompt=[10**9], max_tokens=3))  # no such token: rejected
-        info = q.submit(conn, reqs, queue="graf")
-        status = q.wait_for_batch(conn, info.batch_id, timeout=180)
+        info = batches.submit(conn, reqs, queue="graf")
+        status = batches.wait_for_batch(conn, info.batch_id, timeout=180)
         assert (status.finished, status.failed) == (3, 1), status
         time.sleep(2.5)  # one more report interval: the gauges are set
         yield port

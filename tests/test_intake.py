@@ -73,11 +73,13 @@ def test_move_many_keeps_order_and_moves_at_most_n(conn):
 
 
 def _lane_batch(conn: redis.Redis, n: int, queue: str, priority: str = "normal") -> list[str]:
-    from mlxq.broker import batches as q
+    from mlxq.broker import batches
     from mlxq.wire import Request
 
     reqs = [Request(prompt=f"p{i}", max_tokens=2) for i in range(n)]
-    return q.batch_job_ids(conn, q.submit(conn, reqs, queue=queue, priority=priority).batch_id)
+    return batches.batch_job_ids(
+        conn, batches.submit(conn, reqs, queue=queue, priority=priority).batch_id
+    )
 
 
 @pytest.mark.parametrize("names", [("one",), ("a", "b"), ("a", "b", "c")])

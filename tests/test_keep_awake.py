@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import redis
 
-from mlxq.broker import batches as q
+from mlxq.broker import batches
 from mlxq.wire import Request
 from mlxq.worker import keep_awake
 from mlxq.worker.keep_awake import RECORD_ENV, KeepAwake, PowerAssertion, Recorded
@@ -160,7 +160,7 @@ def submit(conn: redis.Redis, n: int, max_tokens: int) -> str:
     """``n`` jobs of one prompt whose greedy output runs to ``max_tokens`` on the tiny
     model (other prompts meet EOS within tens of tokens, before a test can look)."""
     reqs = [Request(prompt=PROMPT, max_tokens=max_tokens, custom_id=f"c{i}") for i in range(n)]
-    return q.submit(conn, reqs, queue="awake").batch_id
+    return batches.submit(conn, reqs, queue="awake").batch_id
 
 
 @pytest.fixture
@@ -191,11 +191,11 @@ def test_a_worker_holds_it_while_it_has_jobs_and_releases_it_when_idle(
     assert records(record) == []
     submitted = time.time()
     batch = submit(conn, 4, max_tokens=300)
-    status = q.wait_for_batch(conn, batch, timeout=180)
+    status = batches.wait_for_batch(conn, batch, timeout=180)
     assert status.finished == 4, status
     wait_for(lambda: len(records(record)) >= 2, 10, "the release once idle", w)
-    finished = [r.timing.finished_at for r in q.iter_batch_results(conn, batch)]
-    assert {r.finish_reason for r in q.iter_batch_results(conn, batch)} == {"length"}
+    finished = [r.timing.finished_at for r in batches.iter_batch_results(conn, batch)]
+    assert {r.finish_reason for r in batches.iter_batch_results(conn, batch)} == {"length"}
     (hold, held_at), (release, released_at) = records(record)
     assert (hold, release) == ("hold", "release")
     assert submitted < held_at < min(finished)  # held while the jobs ran, not before
@@ -212,7 +212,7 @@ def test_a_worker_stopped_while_busy_releases_it_at_exit(worker, conn, tmp_path:
     w = worker("--grace-period", "0")
     batch = submit(conn, 4, max_tokens=1800)
     wait_for(lambda: records(record), 120, "the hold", w)
-    assert q.batch_status(conn, batch).finished == 0
+    assert batches.batch_status(conn, batch).finished == 0
     stopped_at = time.time()
     w.proc.send_signal(signal.SIGTERM)
     assert w.proc.wait(60) == 0, w.log.read_text()
@@ -244,7 +244,7 @@ def test_nothing_outlives_a_worker_killed_while_holding_it(worker, conn, tmp_pat
 def test_no_keep_awake_records_nothing(worker, conn, tmp_path: Path):
     w = worker("--no-keep-awake")
     batch = submit(conn, 2, max_tokens=50)
-    assert q.wait_for_batch(conn, batch, timeout=120).finished == 2
+    assert batches.wait_for_batch(conn, batch, timeout=120).finished == 2
     w.proc.send_signal(signal.SIGTERM)
     assert w.proc.wait(60) == 0
     assert not (tmp_path / "awake").exists()

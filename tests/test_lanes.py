@@ -12,8 +12,7 @@ import pytest
 import redis
 from rq.queue import Queue
 
-from mlxq.broker import batches as q
-from mlxq.broker import fleet, intake, keys, unaccounted
+from mlxq.broker import batches, fleet, intake, keys, unaccounted
 from mlxq.broker.recovery import requeue_stranded
 from mlxq.broker.rq_store import lanes, pull, reads, rq_keys, whereabouts
 from mlxq.broker.serializer import serializer
@@ -23,8 +22,8 @@ from tests.helpers import dequeued, run_mlxq
 
 def _batch(conn: redis.Redis, n: int, queue: str, priority: str = "normal") -> list[str]:
     reqs = [Request(prompt=f"p{i}", max_tokens=4) for i in range(n)]
-    batch = q.submit(conn, reqs, queue=queue, priority=priority).batch_id
-    return q.batch_job_ids(conn, batch)
+    batch = batches.submit(conn, reqs, queue=queue, priority=priority).batch_id
+    return batches.batch_job_ids(conn, batch)
 
 
 def _queues(conn: redis.Redis, *names: str) -> list[Queue]:
@@ -142,7 +141,7 @@ def test_cancel_forgets_the_lanes_turns(conn):
     _take(conn, _queues(conn, "forget"), 1)
     lane = keys.lane("forget", _batch_id(conn, ids[0]))
     assert conn.hexists(keys.lane_turns(), lane)
-    assert q.cancel_batch(conn, _batch_id(conn, ids[0])) == (3, 0)  # one taken, unstarted
+    assert batches.cancel_batch(conn, _batch_id(conn, ids[0])) == (3, 0)  # one taken, unstarted
     assert not conn.hexists(keys.lane_turns(), lane)
 
 
@@ -162,7 +161,7 @@ def test_cancel_drops_the_batchs_lanes(conn):
     gone = _batch(conn, 4, "cancel", "high")
     kept = _batch(conn, 2, "cancel")
     batch = _batch_id(conn, gone[0])
-    assert q.cancel_batch(conn, batch) == (4, 0)
+    assert batches.cancel_batch(conn, batch) == (4, 0)
     assert not conn.exists(keys.lane("cancel", batch))
     assert conn.lrange(keys.lanes("cancel", "high"), 0, -1) == []
     assert lanes.waiting(conn, ["cancel"]) == {"cancel": 2}
@@ -177,7 +176,7 @@ def _batch_id(conn: redis.Redis, job_id: str) -> str:
 
 def test_a_cancelled_job_leaves_its_lane(conn):
     ids = _batch(conn, 3, "one")
-    assert q.cancel_jobs(conn, ids[1:2]) == (1, 0)
+    assert batches.cancel_jobs(conn, ids[1:2]) == (1, 0)
     assert conn.lrange(keys.lane("one", _batch_id(conn, ids[0])), 0, -1) == [
         i.encode() for i in (ids[0], ids[2])
     ]
@@ -189,7 +188,7 @@ def test_a_cancelled_job_left_in_a_lane_is_dropped_when_pulled(conn):
     drops it, and runs the rest."""
     _, worker, _ = dequeued(conn, 0, "drop")
     ids = _batch(conn, 2, "drop")
-    assert q.cancel_jobs(conn, ids[:1], from_lanes=False) == (1, 0)
+    assert batches.cancel_jobs(conn, ids[:1], from_lanes=False) == (1, 0)
     pulled = intake.dequeue_many(worker, 10)
     assert [job.id for job, _ in pulled] == ids  # the cancelled id is still in the lane
     started = intake.register(worker, pulled)
@@ -217,14 +216,14 @@ def test_lane_jobs_are_held_so_no_sweep_puts_them_back(conn):
 
 def test_a_priority_that_is_not_one_is_refused(conn):
     with pytest.raises(ValueError, match="priority: 'urgent' is not one of high, normal, low"):
-        q.submit(conn, [Request(prompt="x")], queue="bad-prio", priority="urgent")
-    assert q.get_batch(conn, q.submit(conn, [Request(prompt="x")], queue="p").batch_id)
+        batches.submit(conn, [Request(prompt="x")], queue="bad-prio", priority="urgent")
+    assert batches.get_batch(conn, batches.submit(conn, [Request(prompt="x")], queue="p").batch_id)
 
 
 def test_status_shows_the_priority_and_queue_depth_counts_lanes(conn):
-    info = q.submit(conn, [Request(prompt="x")] * 3, queue="depth", priority="low")
-    assert q.get_batch(conn, info.batch_id).priority == "low"
-    assert q.batch_status(conn, info.batch_id).priority == "low"
+    info = batches.submit(conn, [Request(prompt="x")] * 3, queue="depth", priority="low")
+    assert batches.get_batch(conn, info.batch_id).priority == "low"
+    assert batches.batch_status(conn, info.batch_id).priority == "low"
     (row,) = [r for r in fleet.queue_overview(conn) if r.name == "depth"]
     assert row.queued == 3 and row.oldest_enqueued_at is not None
 
@@ -267,4 +266,4 @@ def test_the_api_takes_the_priority_from_the_batchs_metadata(client, conn):
 
 
 def _batches(conn: redis.Redis) -> list:
-    return [q.get_batch(conn, b.decode()) for b in conn.zrange(keys.batches(), 0, -1)]
+    return [batches.get_batch(conn, b.decode()) for b in conn.zrange(keys.batches(), 0, -1)]

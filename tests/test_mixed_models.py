@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxq.broker import batches as q
-from mlxq.broker import fleet, keys, unaccounted
+from mlxq.broker import batches, fleet, keys, unaccounted
 from mlxq.wire import BatchModel, Request
 from tests.helpers import Worker, run_mlxq, waiting
 
@@ -100,19 +99,19 @@ def test_the_dashboard_rows_a_mixed_batch_with_each_models_counts(conn):
     from mlxq.api.dashboard_state import batch_row
 
     reqs = [Request(prompt=f"p{i}", model="Beta" if i % 2 else None) for i in range(3)]
-    info = q.submit(conn, reqs, queue="alpha", model="org/alpha")
-    row = batch_row(info, q.batch_status(conn, info.batch_id), time.time(), None, None)
+    info = batches.submit(conn, reqs, queue="alpha", model="org/alpha")
+    row = batch_row(info, batches.batch_status(conn, info.batch_id), time.time(), None, None)
     assert [(m.queue, m.models, m.total, m.counts["queued"]) for m in row.models] == [
         ("alpha", ["org/alpha"], 2, 2),
         ("Beta", ["Beta"], 1, 1),
     ]
-    plain = q.submit(conn, reqs[:1], queue="alpha")  # one model: no rows per model
-    assert batch_row(plain, q.batch_status(conn, plain.batch_id), 0, None, None).models == []
+    plain = batches.submit(conn, reqs[:1], queue="alpha")  # one model: no rows per model
+    assert batch_row(plain, batches.batch_status(conn, plain.batch_id), 0, None, None).models == []
 
 
 def test_a_sweep_of_one_queue_leaves_the_batchs_jobs_on_its_other_queues(conn):
     reqs = [Request(prompt=f"p{i}", model="Beta" if i % 2 else None) for i in range(4)]
-    batch = q.submit(conn, reqs, queue="alpha").batch_id
+    batch = batches.submit(conn, reqs, queue="alpha").batch_id
     for _ in range(2):  # (the first sweep would mark them, the second put them back)
         assert unaccounted.sweep(conn, ["alpha"], 0, every_s=5) == []
         conn.delete(keys.audit_lock())
@@ -133,16 +132,16 @@ def test_a_resumed_submit_routes_the_rest_as_the_first_part(conn, monkeypatch):
     monkeypatch.setattr(submission, "CHUNK", 4)
     reqs = [Request(prompt=f"p{i}", model=("A", "B", None)[i % 3]) for i in range(7)]
     with pytest.raises(Cut):
-        q.submit(conn, reqs, queue="base", on_jobs=die)
+        batches.submit(conn, reqs, queue="base", on_jobs=die)
     (batch_id,) = [b.decode() for b in conn.zrange(keys.batches(), 0, -1)]
-    _, before = q.resume(conn, batch_id, reqs)
+    _, before = batches.resume(conn, batch_id, reqs)
     assert before == 4
-    assert q.get_batch(conn, batch_id).models == [
+    assert batches.get_batch(conn, batch_id).models == [
         BatchModel(queue="A", lines=3, model="A"),
         BatchModel(queue="B", lines=2, model="B"),
         BatchModel(queue="base", lines=2),
     ]
-    ids = q.batch_job_ids(conn, batch_id)
+    ids = batches.batch_job_ids(conn, batch_id)
     assert whereabouts.origins(conn, ids) == ["A", "B", "base", "A", "B", "base", "A"]
     assert (waiting(conn, "A"), waiting(conn, "B"), waiting(conn, "base")) == (3, 2, 2)
 
@@ -160,7 +159,7 @@ def test_require_workers_holds_on_resume_too(conn, valkey_url, tmp_path, monkeyp
     monkeypatch.setattr(submission, "CHUNK", 4)
     reqs = [Request(prompt=f"p{i}", custom_id=f"c{i}", model="Alpha") for i in range(6)]
     with pytest.raises(RuntimeError):
-        q.submit(conn, reqs, queue="default", on_jobs=die, source=str(src))
+        batches.submit(conn, reqs, queue="default", on_jobs=die, source=str(src))
     (batch_id,) = [b.decode() for b in conn.zrange(keys.batches(), 0, -1)]
     args = ("submit", str(src), "--resume", batch_id)
     refused = run_mlxq(*args, "--require-workers", url=valkey_url)

@@ -11,8 +11,7 @@ import msgspec
 import pytest
 from rq.job import Job
 
-from mlxq.broker import batches as q
-from mlxq.broker import keys
+from mlxq.broker import batches, keys
 from mlxq.broker.intake import register
 from mlxq.broker.rq_store import (
     cancel_retry,
@@ -36,8 +35,8 @@ def _reqs(n: int) -> list[Request]:
 
 
 def test_submit_makes_one_rq_job_per_request_in_order(conn):
-    info = q.submit(conn, _reqs(2500), queue="qa")
-    ids = q.batch_job_ids(conn, info.batch_id)
+    info = batches.submit(conn, _reqs(2500), queue="qa")
+    ids = batches.batch_job_ids(conn, info.batch_id)
     assert len(ids) == 2500 and len(set(ids)) == 2500
     # waiting on the batch's lane of the queue, in input order (not on RQ's list)
     assert conn.lrange(keys.lane("qa", info.batch_id), 0, -1) == [i.encode() for i in ids]
@@ -50,8 +49,8 @@ def test_submit_makes_one_rq_job_per_request_in_order(conn):
 
 
 def test_job_data_in_redis_is_json_not_pickle(conn):
-    info = q.submit(conn, _reqs(1), queue="qa")
-    jid = q.batch_job_ids(conn, info.batch_id)[0]
+    info = batches.submit(conn, _reqs(1), queue="qa")
+    jid = batches.batch_job_ids(conn, info.batch_id)[0]
     raw = conn.hget(f"rq:job:{jid}", "data")
     import zlib
 
@@ -68,13 +67,13 @@ def _set_state(conn, job_id: str, batch_id: str, status: str) -> None:
 
 
 def test_status_counts_by_state(conn):
-    info = q.submit(conn, _reqs(4), queue="qa")
-    ids = q.batch_job_ids(conn, info.batch_id)
+    info = batches.submit(conn, _reqs(4), queue="qa")
+    ids = batches.batch_job_ids(conn, info.batch_id)
     _set_state(conn, ids[0], info.batch_id, "finished")
     _set_state(conn, ids[1], info.batch_id, "failed")
     _set_state(conn, ids[2], info.batch_id, "started")
-    s = q.batch_status(conn, info.batch_id)
-    assert q.count_jobs(conn, info.batch_id) == {
+    s = batches.batch_status(conn, info.batch_id)
+    assert batches.count_jobs(conn, info.batch_id) == {
         "queued": 1,
         "started": 1,
         "finished": 1,
@@ -87,13 +86,13 @@ def test_status_counts_by_state(conn):
 
 
 def test_unknown_batch_says_what_to_check(conn):
-    with pytest.raises(q.BatchNotFound, match="check the id"):
-        q.batch_status(conn, "bnope")
+    with pytest.raises(batches.BatchNotFound, match="check the id"):
+        batches.batch_status(conn, "bnope")
 
 
 def test_results_decode_return_values_and_failures_in_input_order(conn):
-    info = q.submit(conn, _reqs(3), queue="qa")
-    ids = q.batch_job_ids(conn, info.batch_id)
+    info = batches.submit(conn, _reqs(3), queue="qa")
+    ids = batches.batch_job_ids(conn, info.batch_id)
     ok = Result(job_id=ids[0], custom_id="c0", finish_reason="length", text="hi", token_ids=[1])
     conn.hset(f"rq:job:{ids[0]}", "status", "finished")
     conn.xadd(
@@ -108,7 +107,7 @@ def test_results_decode_return_values_and_failures_in_input_order(conn):
         job.set_status("failed", pipeline=pipe)
         job._handle_failure("Traceback...\nJobRejected: prompt too long", pipe)
         pipe.execute()
-    got = list(q.iter_batch_results(conn, info.batch_id))
+    got = list(batches.iter_batch_results(conn, info.batch_id))
     assert got[0] == ok
     assert got[1].finish_reason == "error" and got[1].error == "JobRejected: prompt too long"
     assert got[1].custom_id == "c1" and got[1].index == 1
@@ -116,16 +115,16 @@ def test_results_decode_return_values_and_failures_in_input_order(conn):
 
 
 def test_wait_times_out_with_a_hint(conn):
-    info = q.submit(conn, _reqs(1), queue="qa")
+    info = batches.submit(conn, _reqs(1), queue="qa")
     with pytest.raises(TimeoutError, match="is a worker running on queue 'qa'"):
-        q.wait_for_batch(conn, info.batch_id, timeout=0.3, poll=0.1)
+        batches.wait_for_batch(conn, info.batch_id, timeout=0.3, poll=0.1)
 
 
 def test_two_cancels_racing_over_the_same_jobs_each_settle(conn, monkeypatch):
     """`mlxq cancel` and the API may cancel one batch at once: the one that comes second
     finds the jobs cancelled between its read and its write; each job's script checks its
     status in the step that ends it, so each is cancelled once, and nothing is retried."""
-    batch = q.submit(conn, _reqs(3), queue="race").batch_id
+    batch = batches.submit(conn, _reqs(3), queue="race").batch_id
     fetch_many = Job.fetch_many
     racing = []
 
@@ -133,14 +132,14 @@ def test_two_cancels_racing_over_the_same_jobs_each_settle(conn, monkeypatch):
         jobs = fetch_many(*args, **kwargs)
         if not racing:  # the other canceller's whole cancel lands right after this read
             racing.append(True)
-            assert q.cancel_batch(conn, batch, stop_running=False) is not None
+            assert batches.cancel_batch(conn, batch, stop_running=False) is not None
         return jobs
 
     monkeypatch.setattr(Job, "fetch_many", staticmethod(fetch_then_race))
-    q.cancel_batch(conn, batch, stop_running=False)
-    status = q.batch_status(conn, batch)
+    batches.cancel_batch(conn, batch, stop_running=False)
+    status = batches.batch_status(conn, batch)
     assert (status.cancelled, status.queued, status.total) == (3, 0, 3), status
-    results = list(q.iter_batch_results(conn, batch))
+    results = list(batches.iter_batch_results(conn, batch))
     assert [r.finish_reason for r in results] == ["cancelled"] * 3
     assert [conn.xlen(rq_keys.results_key(r.job_id)) for r in results] == [1, 1, 1]
 
@@ -153,45 +152,49 @@ def _rotation_lanes(conn, queue: str) -> set[bytes]:
 
 
 def test_the_first_step_flags_the_batch_marks_its_record_and_drops_its_lanes(conn):
-    gone = q.submit(conn, _reqs(4), queue="mk", priority="high").batch_id
-    kept = q.submit(conn, _reqs(3), queue="mk").batch_id
-    queue = q.make_queue(conn, "mk")
+    gone = batches.submit(conn, _reqs(4), queue="mk", priority="high").batch_id
+    kept = batches.submit(conn, _reqs(3), queue="mk").batch_id
+    queue = batches.make_queue(conn, "mk")
     assert len(pull.take(conn, [queue], 1)) == 1  # (a turn, as a worker's take leaves it)
     lane = keys.lane("mk", gone)
     assert conn.hexists(keys.lane_turns(), lane) and lane.encode() in _rotation_lanes(conn, "mk")
 
-    q.mark_cancelled(conn, gone)
+    batches.mark_cancelled(conn, gone)
     assert conn.get(keys.batch_cancelled(gone)) == b"stop"
     assert 0 < conn.ttl(keys.batch_cancelled(gone)) <= keys.BATCH_TTL
-    assert q.get_batch(conn, gone).state == "cancelled" and q.batch_cancelled(conn, gone)
+    assert batches.get_batch(conn, gone).state == "cancelled" and batches.batch_cancelled(
+        conn, gone
+    )
     assert conn.ttl(keys.batch_info(gone)) > 0  # (its record keeps its expiry)
     assert not conn.exists(lane, keys.batch_lanes(gone))
     assert not conn.hexists(keys.lane_turns(), lane)
     assert _rotation_lanes(conn, "mk") == {keys.lane("mk", kept).encode()}
     # nothing of it is taken any more; its jobs wait for the second step, uncounted yet
     taken = [j for _, j in pull.take(conn, [queue], 10)]
-    assert taken == q.batch_job_ids(conn, kept)
-    assert q.batch_status(conn, gone).queued == 4
-    assert q.get_batch(conn, kept).state == "submitted" and not q.batch_cancelled(conn, kept)
+    assert taken == batches.batch_job_ids(conn, kept)
+    assert batches.batch_status(conn, gone).queued == 4
+    assert batches.get_batch(conn, kept).state == "submitted" and not batches.batch_cancelled(
+        conn, kept
+    )
 
 
 def test_the_first_step_is_idempotent_and_a_drain_never_lowers_a_stop(conn):
-    stop = q.submit(conn, _reqs(1), queue="mk").batch_id
-    drain = q.submit(conn, _reqs(1), queue="mk").batch_id
-    q.mark_cancelled(conn, stop)
-    q.mark_cancelled(conn, stop, stop_running=False)
-    q.mark_cancelled(conn, drain, stop_running=False)
+    stop = batches.submit(conn, _reqs(1), queue="mk").batch_id
+    drain = batches.submit(conn, _reqs(1), queue="mk").batch_id
+    batches.mark_cancelled(conn, stop)
+    batches.mark_cancelled(conn, stop, stop_running=False)
+    batches.mark_cancelled(conn, drain, stop_running=False)
     assert conn.get(keys.batch_cancelled(drain)) == b"drain"
-    q.mark_cancelled(conn, drain)
+    batches.mark_cancelled(conn, drain)
     assert [conn.get(keys.batch_cancelled(b)) for b in (stop, drain)] == [b"stop", b"stop"]
-    assert {q.get_batch(conn, b).state for b in (stop, drain)} == {"cancelled"}
+    assert {batches.get_batch(conn, b).state for b in (stop, drain)} == {"cancelled"}
 
 
 def test_the_first_step_writes_the_record_only_as_it_read_it(conn):
     """A submit that writes the record between the read and the script (its last chunk,
     then ``submitted``): the script flags the batch and drops its lanes all the same, leaves
     the record, and says so; ``mark_cancelled`` reads it again."""
-    batch = q.submit(conn, _reqs(2), queue="mk").batch_id
+    batch = batches.submit(conn, _reqs(2), queue="mk").batch_id
     raw = conn.get(keys.batch_info(batch))
     stale = raw.replace(b'"state":"submitted"', b'"state":"submitting"')
     lane_keys, queues = lanes.drop_keys(conn, batch)
@@ -199,18 +202,18 @@ def test_the_first_step_writes_the_record_only_as_it_read_it(conn):
     keys_ = [keys.batch_cancelled(batch), keys.batch_info(batch), *lane_keys]
     assert script(keys=keys_, args=["stop", 60, stale, b"{}", *queues]) == [0, 0]
     assert conn.get(keys.batch_info(batch)) == raw
-    assert q.batch_cancelled(conn, batch) and not conn.exists(keys.lane("mk", batch))
-    q.mark_cancelled(conn, batch)
-    assert q.get_batch(conn, batch).state == "cancelled"
+    assert batches.batch_cancelled(conn, batch) and not conn.exists(keys.lane("mk", batch))
+    batches.mark_cancelled(conn, batch)
+    assert batches.get_batch(conn, batch).state == "cancelled"
 
 
 def test_a_cancelled_job_is_left_as_rq_and_mlxqs_own_cancel_left_it(conn):
     """The script writes what RQ's ``Job.cancel`` and ``transitions.end_job`` wrote for a
     job cancelled while waiting: status, end time, result, registry, expiries, counter."""
-    ours, theirs = q.batch_job_ids(conn, q.submit(conn, _reqs(2), queue="cx").batch_id)
+    ours, theirs = batches.batch_job_ids(conn, batches.submit(conn, _reqs(2), queue="cx").batch_id)
     assert cancel_retry.cancel_now(conn, [ours]) == (1, 0)
     job = Job.fetch(theirs, connection=conn, serializer=serializer)
-    queue = q.make_queue(conn, "cx")
+    queue = batches.make_queue(conn, "cx")
     with conn.pipeline() as pipe:
         pipe.watch(job.key)
         pipe.multi()
@@ -243,7 +246,7 @@ def test_a_cancelled_job_is_left_as_rq_and_mlxqs_own_cancel_left_it(conn):
     assert state(ours) == state(theirs)
     assert state(ours)["status"] == b"canceled"
     assert Job.fetch(ours, connection=conn, serializer=serializer).get_status() == "canceled"
-    s = q.batch_status(conn, job.meta["batch_id"])
+    s = batches.batch_status(conn, job.meta["batch_id"])
     assert (s.cancelled, s.queued) == (2, 0)
 
 
@@ -251,21 +254,21 @@ def test_cancelling_is_idempotent_and_leaves_running_jobs_to_their_flag(conn):
     batch, worker, group = dequeued(conn, 4, "run")
     register(worker, group[:1])  # one started; three taken or waiting
     running = group[0][0].id
-    conn.rpush(q.make_queue(conn, "run").key, group[3][0].id)  # (as a sweep puts one back)
-    conn.lrem(q.make_queue(conn, "run").intermediate_queue_key, 1, group[3][0].id)
-    assert q.cancel_batch(conn, batch) == (3, 1)
-    assert q.cancel_batch(conn, batch) == (0, 1)
-    assert q.cancel_batch(conn, batch, stop_running=False) == (0, 0)
+    conn.rpush(batches.make_queue(conn, "run").key, group[3][0].id)  # (as a sweep puts one back)
+    conn.lrem(batches.make_queue(conn, "run").intermediate_queue_key, 1, group[3][0].id)
+    assert batches.cancel_batch(conn, batch) == (3, 1)
+    assert batches.cancel_batch(conn, batch) == (0, 1)
+    assert batches.cancel_batch(conn, batch, stop_running=False) == (0, 0)
     assert conn.get(keys.batch_cancelled(batch)) == b"stop"
-    ids = q.batch_job_ids(conn, batch)
+    ids = batches.batch_job_ids(conn, batch)
     assert [conn.xlen(rq_keys.results_key(j)) for j in ids] == [0, 1, 1, 1]
-    assert conn.lrange(q.make_queue(conn, "run").key, 0, -1) == []
+    assert conn.lrange(batches.make_queue(conn, "run").key, 0, -1) == []
     assert not list(conn.scan_iter(keys.cancel_flag("*")))  # the batch's flag covers them
-    s = q.batch_status(conn, batch)
+    s = batches.batch_status(conn, batch)
     assert (s.cancelled, s.started, s.queued, s.state) == (3, 1, 0, "cancelled"), s
     # the two taken by the worker are refused at their start: nothing starts, nothing twice
     assert register(worker, group[1:3]) == [start_script.REFUSED[-2]] * 2
-    assert conn.lrange(q.make_queue(conn, "run").intermediate_queue_key, 0, -1) == []
+    assert conn.lrange(batches.make_queue(conn, "run").intermediate_queue_key, 0, -1) == []
     assert running in ids
 
 
@@ -273,7 +276,7 @@ def test_a_single_running_jobs_flag_lasts_no_longer_than_the_job_can_run(conn):
     _, worker, group = dequeued(conn, 2, "one")
     register(worker, group[:1])
     job = group[0][0]
-    assert q.cancel_jobs(conn, [job.id, group[1][0].id]) == (1, 1)
+    assert batches.cancel_jobs(conn, [job.id, group[1][0].id]) == (1, 1)
     assert 0 < conn.ttl(keys.cancel_flag(job.id)) <= keys.DEFAULT_JOB_TIMEOUT + 60
     assert not conn.exists(keys.cancel_flag(group[1][0].id))
 

@@ -15,14 +15,12 @@ import redis
 from helpers import dequeued, run_mlxq, worker_record
 from rq.job import Job
 
-from mlxq.broker import batches as q
-from mlxq.broker import fleet, streams
+from mlxq.broker import batches, fleet, streams
 from mlxq.broker.intake import register
 from mlxq.broker.rq_store import transitions
 from mlxq.broker.serializer import serializer
 from mlxq.cli.support import redis_errors
-from mlxq.engine.sampling import StreamChunk
-from mlxq.wire import Request, Result, Timing, Usage
+from mlxq.wire import Request, Result, StreamChunk, Timing, Usage
 
 SETTINGS = ("maxmemory", "maxmemory-policy")
 
@@ -48,8 +46,8 @@ def _fill(server: redis.Redis) -> None:
 
 def _finished_batch(conn: redis.Redis) -> str:
     """A batch of two requests, both ended as a worker ends them."""
-    batch = q.submit(conn, [Request(prompt=f"p{i}", custom_id=f"c{i}") for i in range(2)])
-    ids = q.batch_job_ids(conn, batch.batch_id)
+    batch = batches.submit(conn, [Request(prompt=f"p{i}", custom_id=f"c{i}") for i in range(2)])
+    ids = batches.batch_job_ids(conn, batch.batch_id)
     with conn.pipeline() as pipe:
         for job in Job.fetch_many(ids, connection=conn, serializer=serializer):
             result = Result(
@@ -65,7 +63,7 @@ def _finished_batch(conn: redis.Redis) -> str:
                 index=job.meta.get("index"),
                 timing=Timing(started_at=time.time(), finished_at=time.time()),
             )
-            transitions.end_job(pipe, job, q.make_queue(conn, job.origin), result)
+            transitions.end_job(pipe, job, batches.make_queue(conn, job.origin), result)
         pipe.execute()
     return batch.batch_id
 

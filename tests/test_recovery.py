@@ -10,8 +10,7 @@ import redis
 from rq.job import Job, JobStatus
 from rq.worker import Worker
 
-from mlxq.broker import batches as q
-from mlxq.broker import keys
+from mlxq.broker import batches, keys
 from mlxq.broker.intake import dequeue_many, register
 from mlxq.broker.recovery import requeue_stranded
 from mlxq.broker.rq_store import rq_keys, start_script
@@ -25,8 +24,8 @@ from tests.helpers import waiting
 
 def _setup(conn: redis.Redis, n: int) -> tuple[str, Worker]:
     reqs = [Request(prompt=f"p{i}", max_tokens=4, custom_id=f"c{i}") for i in range(n)]
-    batch = q.submit(conn, reqs, queue="strand").batch_id
-    worker = Worker([q.make_queue(conn, "strand")], connection=conn, serializer=serializer)
+    batch = batches.submit(conn, reqs, queue="strand").batch_id
+    worker = Worker([batches.make_queue(conn, "strand")], connection=conn, serializer=serializer)
     return batch, worker
 
 
@@ -47,7 +46,7 @@ def test_a_job_stranded_in_the_intermediate_queue_goes_back_after_the_grace(conn
     # back on RQ's list, taken before any lane: at the front, where it was
     assert _ids(conn, queue.key) == [job.id] and waiting(conn, "strand") == 3
     assert not conn.exists(keys.stranded(job.id))
-    status = q.batch_status(conn, batch)
+    status = batches.batch_status(conn, batch)
     assert (status.queued, status.started) == (3, 0), status
 
 
@@ -106,7 +105,7 @@ def test_registering_a_job_the_sweep_took_back_gives_it_up(conn):
     assert Job.fetch(kept[0].id, connection=conn).get_status() == JobStatus.STARTED
     assert _ids(conn, queue.key) == [taken[0].id]
     assert not conn.exists(keys.stranded(kept[0].id))  # registered: the mark is cleared
-    status = q.batch_status(conn, batch)
+    status = batches.batch_status(conn, batch)
     assert (status.queued, status.started) == (1, 1), status
 
 
@@ -132,8 +131,8 @@ def test_results_owed_while_redis_is_away_are_written_when_it_is_back(conn, valk
     worker.connection = conn
     assert owed.flush(worker, fail=lambda f: None) == []
     assert len(owed) == 0
-    assert [r.text for r in q.iter_batch_results(conn, batch)] == ["done"]
-    status = q.batch_status(conn, batch)
+    assert [r.text for r in batches.iter_batch_results(conn, batch)] == ["done"]
+    status = batches.batch_status(conn, batch)
     assert (status.finished, status.started) == (1, 0), status
 
 
@@ -142,12 +141,12 @@ def test_a_job_cancelled_between_dequeue_and_registration_never_runs(conn):
     queue = worker.queues[0]
     group = dequeue_many(worker, 2)
     cancelled = group[0][0]
-    q.cancel_jobs(conn, [cancelled.id])  # `mlxq cancel JOB`: to RQ it still waits
+    batches.cancel_jobs(conn, [cancelled.id])  # `mlxq cancel JOB`: to RQ it still waits
     executions = register(worker, group)
     assert executions[0] == start_script.REFUSED[-2] and not isinstance(executions[1], str)
     assert Job.fetch(cancelled.id, connection=conn).get_status() == JobStatus.CANCELED
     assert requeue_stranded(queue, grace_s=3600) == []  # its id is dropped, not requeued
     assert _ids(conn, queue.intermediate_queue_key) == []
     assert _ids(conn, queue.key) == []
-    status = q.batch_status(conn, batch)
+    status = batches.batch_status(conn, batch)
     assert (status.cancelled, status.started, status.queued) == (1, 1, 0), status

@@ -18,7 +18,7 @@ import pytest
 import redis
 from rq.job import Job
 
-from mlxq.broker import batches as q
+from mlxq.broker import batches
 from mlxq.broker.serializer import serializer
 from mlxq.wire import Request, Result
 from mlxq.worker import outage
@@ -81,7 +81,7 @@ def on_log() -> Iterator[Callable[[str, Callable[[int], None]], OnLog]]:
 
 
 def _by_id(conn: redis.Redis, batch_id: str) -> dict[str, Result]:
-    return {r.custom_id or "": r for r in q.iter_batch_results(conn, batch_id)}
+    return {r.custom_id or "": r for r in batches.iter_batch_results(conn, batch_id)}
 
 
 def _assert_big_failed_alone(conn: redis.Redis, batch_id: str, reason: str) -> None:
@@ -94,7 +94,7 @@ def _assert_big_failed_alone(conn: redis.Redis, batch_id: str, reason: str) -> N
     assert "lower max_tokens or logprobs" in big.error
     assert big.usage.prompt_tokens > 0 and big.usage.completion_tokens == 1900
     assert all(by_id[f"small-{i}"].finish_reason in ("stop", "length") for i in range(3))
-    s = q.batch_status(conn, batch_id)
+    s = batches.batch_status(conn, batch_id)
     assert (s.finished, s.failed, s.queued, s.started) == (3, 1, 0, 0), s
     job = Job.fetch(big.job_id, connection=conn, serializer=serializer)
     assert job.get_status() == "failed"  # not retried: a rerun makes the same result
@@ -102,7 +102,7 @@ def _assert_big_failed_alone(conn: redis.Redis, batch_id: str, reason: str) -> N
 
 def test_a_result_over_proto_max_bulk_len_fails_alone(conn, server, profile):
     server.config_set("proto-max-bulk-len", "1mb")  # Redis's smallest
-    info = q.submit(conn, [BIG, *SMALL], queue="limits", retries=2)
+    info = batches.submit(conn, [BIG, *SMALL], queue="limits", retries=2)
     run_worker(profile, conn, burst=True, queues=["limits"])
     _assert_big_failed_alone(conn, info.batch_id, "proto-max-bulk-len of 1,048,576 bytes")
 
@@ -112,7 +112,7 @@ def test_a_limit_lowered_under_the_worker_fails_only_the_result_redis_chokes_on(
 ):
     """Lowered after the worker read it: Redis drops the connection on the big write; the
     worker finds the one result it chokes on instead of retrying the batch forever."""
-    info = q.submit(conn, [BIG, *SMALL], queue="limits")
+    info = batches.submit(conn, [BIG, *SMALL], queue="limits")
 
     def lower(result: Result) -> None:
         server.config_set("proto-max-bulk-len", "1mb")
@@ -133,7 +133,7 @@ def _worker(profile: WorkerProfile, conn: redis.Redis, **kwargs) -> MlxqWorker:
 
 
 def test_the_workers_own_result_cap(conn, profile):
-    info = q.submit(conn, [BIG, *SMALL], queue="limits")
+    info = batches.submit(conn, [BIG, *SMALL], queue="limits")
     worker = _worker(profile, conn, max_result_bytes=100_000)
     worker.work(burst=True)
     _assert_big_failed_alone(conn, info.batch_id, "the worker's max result size")
@@ -142,7 +142,7 @@ def test_the_workers_own_result_cap(conn, profile):
 def test_a_full_redis_holds_results_until_it_takes_writes_again(conn, server, profile, on_log):
     """Redis fills up (noeviction) while jobs run: the worker backs off with a line that
     says Redis is full and what to do, holds its results, and writes them all once it can."""
-    info = q.submit(conn, [BIG, *SMALL], queue="limits")
+    info = batches.submit(conn, [BIG, *SMALL], queue="limits")
     full = on_log("Redis is full", lambda n: n == 2 and server.config_set("maxmemory", 0))
 
     def fill(result: Result) -> None:
@@ -157,7 +157,7 @@ def test_a_full_redis_holds_results_until_it_takes_writes_again(conn, server, pr
     by_id = _by_id(conn, info.batch_id)
     assert sorted(by_id) == ["big", "small-0", "small-1", "small-2"]
     assert all(r.finish_reason in ("stop", "length") for r in by_id.values())
-    s = q.batch_status(conn, info.batch_id)
+    s = batches.batch_status(conn, info.batch_id)
     assert (s.finished, s.failed, s.queued, s.started) == (4, 0, 0, 0), s
 
 
@@ -165,13 +165,13 @@ def test_an_evicting_policy_set_under_the_worker_pauses_its_intake(
     conn, server, profile, on_log, monkeypatch
 ):
     monkeypatch.setattr(outage, "CHECK_INTERVAL_S", 0.05)
-    info = q.submit(conn, SMALL, queue="limits")
+    info = batches.submit(conn, SMALL, queue="limits")
     worker = _worker(profile, conn)
     server.config_set("maxmemory-policy", "allkeys-lru")
     seen: list[tuple[bool, int]] = []
 
     def check(n: int) -> None:
-        seen.append((worker.intake_paused, q.batch_status(conn, info.batch_id).queued))
+        seen.append((worker.intake_paused, batches.batch_status(conn, info.batch_id).queued))
         if n == 3:  # three checks, passes between them: nothing taken meanwhile
             server.config_set("maxmemory-policy", "noeviction")
 
@@ -181,7 +181,7 @@ def test_an_evicting_policy_set_under_the_worker_pauses_its_intake(
     line = next(m for m in paused.messages if "taking no new jobs" in m)
     assert "maxmemory-policy is allkeys-lru" in line and "CONFIG SET maxmemory-policy" in line
     assert any("maxmemory-policy is noeviction again" in m for m in paused.messages)
-    s = q.batch_status(conn, info.batch_id)
+    s = batches.batch_status(conn, info.batch_id)
     assert (s.finished, s.queued) == (3, 0), s
 
 
@@ -211,22 +211,24 @@ def _wait(pred: Callable[[], bool], proc: subprocess.Popen, lines: list[str], wh
 def test_a_worker_started_on_a_full_redis_waits_for_it(conn, server, tiny_model, valkey_url):
     """A long-lived worker meets a Redis that is already full: it says so and waits (no
     traceback, no exit), then serves every job exactly once when there is room again."""
-    info = q.submit(conn, SMALL, queue="full")
+    info = batches.submit(conn, SMALL, queue="full")
     server.config_set("maxmemory", 1)
     proc, lines = _start_worker(valkey_url, tiny_model, "full")
     try:
         _wait(lambda: any("Redis is full" in x for x in lines), proc, lines, "'Redis is full'")
-        assert q.batch_status(conn, info.batch_id).queued == 3
+        assert batches.batch_status(conn, info.batch_id).queued == 3
         server.config_set("maxmemory", 0)
-        _wait(lambda: q.batch_status(conn, info.batch_id).finished == 3, proc, lines, "results")
+        _wait(
+            lambda: batches.batch_status(conn, info.batch_id).finished == 3, proc, lines, "results"
+        )
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     out = "".join(lines)
     assert proc.returncode == 0 and "Traceback" not in out, out
     assert "CONFIG SET maxmemory" in out and "Redis accepting writes again" in out, out
-    s = q.batch_status(conn, info.batch_id)
+    s = batches.batch_status(conn, info.batch_id)
     assert (s.finished, s.failed, s.queued, s.started) == (3, 0, 0, 0), s
-    assert [r.custom_id for r in q.iter_batch_results(conn, info.batch_id)] == [
+    assert [r.custom_id for r in batches.iter_batch_results(conn, info.batch_id)] == [
         f"small-{i}" for i in range(3)
     ]

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxq.broker import batches as q
-from mlxq.broker import fleet, keys, routing
+from mlxq.broker import batches, fleet, keys, routing
 from mlxq.broker.routing import Fleet
 from mlxq.wire import BatchModel, Request, SeenModel
 from tests.helpers import Worker, run_mlxq, waiting, worker_record
@@ -155,23 +154,23 @@ def test_a_resumed_submit_routes_the_rest_by_the_stored_plan(conn, monkeypatch):
     plan = routing.plan(reqs, "base", None, fleet=workers, given=True)
     monkeypatch.setattr(submission, "CHUNK", 4)
     with pytest.raises(RuntimeError):
-        q.submit(conn, reqs, queue="base", models=plan, on_jobs=die)
+        batches.submit(conn, reqs, queue="base", models=plan, on_jobs=die)
     gone(conn, "w1")
     publish(conn, "w2", ["org/A"], ["A"])
     (batch_id,) = [b.decode() for b in conn.zrange(keys.batches(), 0, -1)]
-    q.resume(conn, batch_id, reqs)
-    assert q.get_batch(conn, batch_id).models == [
+    batches.resume(conn, batch_id, reqs)
+    assert batches.get_batch(conn, batch_id).models == [
         BatchModel(queue="evals", lines=3, model="A"),
         BatchModel(queue="base", lines=3),
     ]
-    origins = whereabouts.origins(conn, q.batch_job_ids(conn, batch_id))
+    origins = whereabouts.origins(conn, batches.batch_job_ids(conn, batch_id))
     assert origins == ["evals", "base"] * 3
     assert (waiting(conn, "evals"), waiting(conn, "A")) == (3, 0)
 
 
 def test_a_plan_for_other_requests_is_refused(conn):
     with pytest.raises(ValueError, match="2 lines for 3 requests"):
-        q.submit(conn, lines(None, None, None), models=[BatchModel("default", 2)])
+        batches.submit(conn, lines(None, None, None), models=[BatchModel("default", 2)])
 
 
 # -- end to end --------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import pytest
 import redis
 from helpers import run_mlxq, start_until
 
-from mlxq.broker import batches as q
+from mlxq.broker import batches
 
 ENV = {k: v for k, v in os.environ.items() if k != "MLXQ_REDIS_URL"}  # an embedded Valkey
 N = 8
@@ -50,7 +50,7 @@ def _wait_done(conn: redis.Redis, batch_id: str, at_least: int, proc: subprocess
     """Until ``at_least`` requests are done and others run."""
     deadline = time.monotonic() + 120
     while True:
-        s = q.batch_status(conn, batch_id)
+        s = batches.batch_status(conn, batch_id)
         if s.done >= at_least and s.started:
             return
         assert proc.poll() is None and time.monotonic() < deadline, "no progress"

@@ -13,7 +13,7 @@ import pytest
 import redis
 from helpers import run_mlxq
 
-from mlxq.broker import batches as q
+from mlxq.broker import batches
 from mlxq.server import make_server
 from mlxq.wire import Request
 from mlxq.worker.launch import run_worker
@@ -193,10 +193,10 @@ def test_in_process_worker_over_auth(tiny_model, tmp_path):
     server = _server(tmp_path, requirepass=SECRET)
     try:
         conn = redis.Redis.from_url(f"redis://:{SECRET}@127.0.0.1:{server.port}/0")
-        info = q.submit(conn, [Request(prompt="x", max_tokens=3)], queue="inproc")
+        info = batches.submit(conn, [Request(prompt="x", max_tokens=3)], queue="inproc")
         run_worker(
             WorkerProfile(model=tiny_model, max_batch=2), conn, burst=True, queues=["inproc"]
         )
-        assert q.batch_status(conn, info.batch_id).finished == 1
+        assert batches.batch_status(conn, info.batch_id).finished == 1
     finally:
         server.stop()

@@ -9,8 +9,7 @@ from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 
-from mlxq.broker import batches as q
-from mlxq.broker import keys
+from mlxq.broker import batches, keys
 from mlxq.broker.intake import dequeue_many, register
 from mlxq.broker.rq_store import rq_keys, start_script
 from mlxq.broker.rq_store.counters import batch_of, move
@@ -79,7 +78,7 @@ def test_a_job_starts_as_rq_starts_it(conn: redis.Redis) -> None:
     registry = StartedJobRegistry("starts", connection=conn)
     assert set(registry.get_job_ids()) == {a.id, b.id}
     assert conn.hget(worker.key, "state") == b"busy"
-    status = q.batch_status(conn, batch)
+    status = batches.batch_status(conn, batch)
     assert (status.queued, status.started) == (0, 2), status
 
 
@@ -103,7 +102,7 @@ def test_a_job_that_stopped_waiting_is_not_started(conn: redis.Redis) -> None:
     # the cancelled id is gone from every list; the other two wait on the queue, once each
     assert conn.lrange(queue.intermediate_queue_key, 0, -1) == []
     assert sorted(conn.lrange(queue.key, 0, -1)) == sorted([swept.id.encode(), lost.id.encode()])
-    status = q.batch_status(conn, batch)
+    status = batches.batch_status(conn, batch)
     assert (status.started, status.queued) == (1, 3), status
 
 
@@ -112,14 +111,14 @@ def test_no_job_of_a_cancelled_batch_starts_however_it_was_taken(conn: redis.Red
     flag, one key), and the refusal ends it cancelled, out of every list, counted once. A
     job of another batch in the same group starts."""
     batch, worker, group = dequeued(conn, 3, "starts")
-    other = q.submit(conn, [Request(prompt="o", max_tokens=2)], queue="starts").batch_id
+    other = batches.submit(conn, [Request(prompt="o", max_tokens=2)], queue="starts").batch_id
     group += dequeue_many(worker, 1)  # the other batch's job
     assert batch_of(group[3][0]) == other
     (taken, queue), (swept, _), (lost, _), _ = group
     conn.lrem(queue.intermediate_queue_key, 1, swept.id)  # a sweep put it back on its queue
     conn.rpush(queue.key, swept.id)
     conn.lrem(queue.intermediate_queue_key, 1, lost.id)  # out of every list, still queued
-    q.mark_cancelled(conn, batch)  # the cancel's first step only: its jobs still "queued"
+    batches.mark_cancelled(conn, batch)  # the cancel's first step only: its jobs still "queued"
     executions = register(worker, group)
     assert executions[:3] == [start_script.REFUSED[-3]] * 3
     assert not isinstance(executions[3], str)
@@ -129,10 +128,10 @@ def test_no_job_of_a_cancelled_batch_starts_however_it_was_taken(conn: redis.Red
         assert not conn.exists(rq_keys.executions_key(job.id))
     assert conn.lrange(queue.intermediate_queue_key, 0, -1) == []
     assert conn.lrange(queue.key, 0, -1) == []
-    status = q.batch_status(conn, batch)
+    status = batches.batch_status(conn, batch)
     assert (status.cancelled, status.queued, status.started) == (3, 0, 0), status
-    results = list(q.iter_batch_results(conn, batch))
+    results = list(batches.iter_batch_results(conn, batch))
     assert {r.finish_reason for r in results} == {"cancelled"}
-    assert q.batch_status(conn, other).started == 1
+    assert batches.batch_status(conn, other).started == 1
     # its cancel's second step finds nothing left, and starts nothing either
-    assert q.cancel_batch(conn, batch) == (0, 0)
+    assert batches.cancel_batch(conn, batch) == (0, 0)

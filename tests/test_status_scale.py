@@ -10,8 +10,7 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from mlxq.broker import batches as q
-from mlxq.broker import keys, unaccounted
+from mlxq.broker import batches, keys, unaccounted
 from mlxq.cli.status import status
 from mlxq.wire import Request
 
@@ -36,7 +35,7 @@ def _status(conn: redis.Redis, url: str, batch_id: str) -> tuple[dict, dict[str,
 
 
 def _submit(conn: redis.Redis, n: int, queue: str) -> str:
-    return q.submit(conn, [Request(prompt=f"p{i}") for i in range(n)], queue=queue).batch_id
+    return batches.submit(conn, [Request(prompt=f"p{i}") for i in range(n)], queue=queue).batch_id
 
 
 def test_status_runs_the_same_commands_for_any_batch_size(conn, valkey_url):
@@ -54,7 +53,7 @@ def test_status_of_a_big_batch_with_lost_jobs_reads_a_bounded_number(conn, valke
     there are at least (from the counters) when it did not read them all."""
     monkeypatch.setattr(unaccounted, "SCAN_LIMIT", 2_000)
     batch = _submit(conn, BIG, "lost")
-    ids = q.batch_job_ids(conn, batch)
+    ids = batches.batch_job_ids(conn, batch)
     early, late = ids[100], ids[15_000]
     for job_id in (early, late):
         conn.lrem(keys.lane("lost", batch), 1, job_id)
@@ -72,7 +71,7 @@ def test_status_of_a_big_batch_with_lost_jobs_reads_a_bounded_number(conn, valke
 @pytest.mark.parametrize("lost_at", [0, 9])
 def test_status_lists_lost_jobs_exactly_in_a_batch_it_reads_whole(conn, valkey_url, lost_at):
     batch = _submit(conn, 10, "whole")
-    lost = q.batch_job_ids(conn, batch)[lost_at]
+    lost = batches.batch_job_ids(conn, batch)[lost_at]
     conn.lrem(keys.lane("whole", batch), 1, lost)
     out, _ = _status(conn, valkey_url, batch)
     assert out["unaccounted"] == [lost]

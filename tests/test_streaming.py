@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mlxq.broker import batches as q
+from mlxq.broker import batches
 from mlxq.client import Client
 from mlxq.wire import Request
 from mlxq.worker.launch import run_worker
@@ -21,8 +21,8 @@ def test_stream_carries_the_whole_output_in_order(conn, valkey_url, tiny_model):
         Request(prompt="Stream me a story", max_tokens=40, stream=True),
         Request(prompt="Not streamed", max_tokens=8),
     ]
-    info = q.submit(conn, reqs, queue="st")
-    streamed_id, plain_id = q.batch_job_ids(conn, info.batch_id)
+    info = batches.submit(conn, reqs, queue="st")
+    streamed_id, plain_id = batches.batch_job_ids(conn, info.batch_id)
     run_worker(WorkerProfile(model=tiny_model, max_batch=2), conn, burst=True, queues=["st"])
     result = Client(valkey_url).result(streamed_id)
     entries = list(Client(valkey_url).stream(streamed_id))
@@ -34,10 +34,10 @@ def test_stream_carries_the_whole_output_in_order(conn, valkey_url, tiny_model):
 
 
 def test_mlxq_tail_follows_a_running_job(conn, valkey_url, tiny_model):
-    info = q.submit(
+    info = batches.submit(
         conn, [Request(prompt="Tell me more", max_tokens=300, stream=True)], queue="tail"
     )
-    job_id = q.batch_job_ids(conn, info.batch_id)[0]
+    job_id = batches.batch_job_ids(conn, info.batch_id)[0]
     env = {**os.environ, "MLXQ_REDIS_URL": valkey_url}
     tail = subprocess.Popen(
         [sys.executable, "-m", "mlxq", "tail", job_id],

@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from mlxq.broker import batches as q
-from mlxq.broker import keys, submission
+from mlxq.broker import batches, keys, submission
 from mlxq.broker.rq_store import reads
 from mlxq.wire import Request
 from tests.helpers import run_mlxq, start_submit
 
-N = 3 * q.CHUNK + 5
+N = 3 * batches.CHUNK + 5
 
 
 def _requests(n: int = N) -> list[Request]:
@@ -25,11 +24,11 @@ def _requests(n: int = N) -> list[Request]:
 
 
 def _assert_each_line_once(conn: redis.Redis, batch_id: str, n: int) -> None:
-    ids = q.batch_job_ids(conn, batch_id)
+    ids = batches.batch_job_ids(conn, batch_id)
     assert len(ids) == len(set(ids)) == n
     metas = reads.job_metas(conn, ids)
     assert [m.index for m in metas] == list(range(n))
-    assert q.batch_status(conn, batch_id).queued == n
+    assert batches.batch_status(conn, batch_id).queued == n
 
 
 def _batch_of(conn: redis.Redis, ids: list[str]) -> str:
@@ -45,13 +44,13 @@ def test_a_submit_whose_lease_was_taken_over_stops_before_its_next_chunk(conn):
         # The submit "paused" past its lease: the lease lapses, a resume takes over and ends.
         batch_id = _batch_of(conn, ids)
         conn.delete(keys.batch_submitter(batch_id))
-        resumed.append((batch_id, *q.resume(conn, batch_id, reqs)))
+        resumed.append((batch_id, *batches.resume(conn, batch_id, reqs)))
 
     with pytest.raises(submission.LeaseLost, match="another submit took over") as e:
-        q.submit(conn, reqs, on_jobs=after_chunk)
+        batches.submit(conn, reqs, on_jobs=after_chunk)
     assert "stopped at line 1001 without enqueueing anything twice" in str(e.value)
     ((batch_id, info, before),) = resumed
-    assert before == q.CHUNK and info.state == "submitted"
+    assert before == batches.CHUNK and info.state == "submitted"
     _assert_each_line_once(conn, batch_id, N)
 
 
@@ -64,9 +63,9 @@ def test_a_lease_taken_but_not_yet_used_stops_the_old_submit_too(conn):
         conn.set(keys.batch_submitter(batch_id), "pid 1 on elsewhere lease 0123")
 
     with pytest.raises(submission.LeaseLost, match=r"another submit \(pid 1 on elsewhere\)"):
-        q.submit(conn, reqs, on_jobs=after_chunk)
+        batches.submit(conn, reqs, on_jobs=after_chunk)
     batch_id = _batch_of(conn, ids_seen[0])
-    assert len(ids_seen) == 1 and conn.llen(keys.batch_jobs(batch_id)) == q.CHUNK
+    assert len(ids_seen) == 1 and conn.llen(keys.batch_jobs(batch_id)) == batches.CHUNK
     # The other submit's lease is not ours to delete.
     assert conn.get(keys.batch_submitter(batch_id)) == b"pid 1 on elsewhere lease 0123"
 
@@ -77,7 +76,7 @@ def test_a_lapsed_lease_nobody_took_lets_the_submit_go_on(conn):
     def after_chunk(ids: list[str]) -> None:
         conn.delete(keys.batch_submitter(_batch_of(conn, ids)))  # asleep past 30 s, nobody resumed
 
-    info = q.submit(conn, reqs, on_jobs=after_chunk)
+    info = batches.submit(conn, reqs, on_jobs=after_chunk)
     assert info.state == "submitted"
     _assert_each_line_once(conn, info.batch_id, N)
     assert not conn.exists(keys.batch_submitter(info.batch_id))

@@ -14,8 +14,7 @@ import msgspec
 import pytest
 from helpers import ROOT, run_mlxq
 
-from mlxq.broker import batches as q
-from mlxq.broker import keys
+from mlxq.broker import batches, keys
 from mlxq.formats.defaults import RequestDefaults
 from mlxq.formats.inputs import InputFileError
 from mlxq.formats.table_output import RESULT_COLUMNS
@@ -323,7 +322,7 @@ def test_results_as_csv_and_parquet_in_input_order_with_the_input_row(
 def test_table_results_refusals(valkey_url, conn, questions_csv):
     sub = run_mlxq("submit", str(questions_csv), "--queue", "idle", "--json", url=valkey_url)
     assert sub.returncode == 1  # no prompt column, no template
-    info = q.submit(conn, [Request(prompt="x")], queue="idle")
+    info = batches.submit(conn, [Request(prompt="x")], queue="idle")
     stdout_parquet = run_mlxq("results", info.batch_id, "--format", "parquet", url=valkey_url)
     assert stdout_parquet.returncode == 1 and "needs a file" in stdout_parquet.stderr
     jsonl_input = run_mlxq("results", info.batch_id, "--with-input", url=valkey_url)

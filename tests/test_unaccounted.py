@@ -8,8 +8,7 @@ import json
 import redis
 from rq.job import Job
 
-from mlxq.broker import batches as q
-from mlxq.broker import keys, unaccounted
+from mlxq.broker import batches, keys, unaccounted
 from mlxq.broker.intake import register
 from mlxq.broker.rq_store import rq_keys
 from mlxq.wire import Request
@@ -25,7 +24,7 @@ def test_held_jobs_are_never_touched(conn):
     """Waiting, pulled and started jobs are all held: no marks, nothing moved."""
     batch, worker, group = dequeued(conn, 2, "held")
     register(worker, group[:1])  # one started, one pulled
-    q.submit(conn, [Request(prompt="w")], queue="held")  # and one waiting
+    batches.submit(conn, [Request(prompt="w")], queue="held")  # and one waiting
     for _ in range(2):
         assert _sweep(conn, "held") == []
     assert not conn.exists(keys.unaccounted("held"))
@@ -33,8 +32,8 @@ def test_held_jobs_are_never_touched(conn):
 
 
 def test_a_job_removed_from_every_list_is_put_back_once(conn):
-    batch = q.submit(conn, [Request(prompt=f"p{i}") for i in range(3)], queue="lost").batch_id
-    lost = q.batch_job_ids(conn, batch)[1]
+    batch = batches.submit(conn, [Request(prompt=f"p{i}") for i in range(3)], queue="lost").batch_id
+    lost = batches.batch_job_ids(conn, batch)[1]
     conn.lrem(keys.lane("lost", batch), 1, lost)  # by hand, or by a path mlxq does not know
     assert unaccounted.find(conn, batch) == [lost]
     assert _sweep(conn, "lost", grace_s=3600) == []  # marked; within its grace
@@ -44,7 +43,7 @@ def test_a_job_removed_from_every_list_is_put_back_once(conn):
     # back on the queue's RQ list (taken before any lane); the others still in their lane
     assert conn.lrange(rq_keys.queue_key("lost"), 0, -1) == [lost.encode()]
     ids = [i.decode() for i in conn.lrange(keys.lane("lost", batch), 0, -1)]
-    assert sorted([*ids, lost]) == sorted(q.batch_job_ids(conn, batch))
+    assert sorted([*ids, lost]) == sorted(batches.batch_job_ids(conn, batch))
     assert not conn.hexists(keys.unaccounted("lost"), lost)
     assert unaccounted.find(conn, batch) == []
 
@@ -57,15 +56,15 @@ def test_a_started_job_that_lost_its_registry_entry_goes_back_queued(conn):
     assert _sweep(conn, "started") == []
     assert _sweep(conn, "started") == [job.id]
     assert Job.fetch(job.id, connection=conn).get_status() == "queued"
-    status = q.batch_status(conn, batch)
+    status = batches.batch_status(conn, batch)
     assert (status.queued, status.started) == (1, 0), status
 
 
 def test_a_job_found_held_again_loses_its_mark(conn):
     """Marked while out of every list, then back in one before its grace ran out: the mark
     goes, so a later disappearance starts its grace afresh."""
-    batch = q.submit(conn, [Request(prompt="p")], queue="back").batch_id
-    (job_id,) = q.batch_job_ids(conn, batch)
+    batch = batches.submit(conn, [Request(prompt="p")], queue="back").batch_id
+    (job_id,) = batches.batch_job_ids(conn, batch)
     conn.lrem(keys.lane("back", batch), 1, job_id)
     _sweep(conn, "back", grace_s=3600)
     conn.rpush(keys.lane("back", batch), job_id)
@@ -75,8 +74,8 @@ def test_a_job_found_held_again_loses_its_mark(conn):
 
 
 def test_one_worker_of_the_fleet_sweeps_per_interval(conn):
-    batch = q.submit(conn, [Request(prompt="p")], queue="lock").batch_id
-    (job_id,) = q.batch_job_ids(conn, batch)
+    batch = batches.submit(conn, [Request(prompt="p")], queue="lock").batch_id
+    (job_id,) = batches.batch_job_ids(conn, batch)
     conn.lrem(keys.lane("lock", batch), 1, job_id)
     unaccounted.sweep(conn, ["lock"], 0, every_s=60)  # marks, takes the lock
     assert unaccounted.sweep(conn, ["lock"], 0, every_s=60) == []  # another worker: skipped
@@ -84,8 +83,8 @@ def test_one_worker_of_the_fleet_sweeps_per_interval(conn):
 
 
 def test_status_json_reports_unaccounted_jobs(conn, valkey_url):
-    batch = q.submit(conn, [Request(prompt=f"p{i}") for i in range(2)], queue="st").batch_id
-    lost = q.batch_job_ids(conn, batch)[0]
+    batch = batches.submit(conn, [Request(prompt=f"p{i}") for i in range(2)], queue="st").batch_id
+    lost = batches.batch_job_ids(conn, batch)[0]
     done = run_mlxq("status", batch, "--json", url=valkey_url)
     assert done.returncode == 0 and "unaccounted" not in json.loads(done.stdout)
     conn.lrem(keys.lane("st", batch), 1, lost)

@@ -8,7 +8,7 @@ import pytest
 from rq import Queue
 from rq.job import Job
 
-from mlxq.broker import batches as q
+from mlxq.broker import batches
 from mlxq.broker.serializer import serializer
 from mlxq.wire import Request
 from mlxq.worker.launch import run_worker
@@ -28,16 +28,16 @@ def test_bad_jobs_fail_alone_and_the_rest_finish(conn, profile):
         Request(prompt="x " * 5000, max_tokens=6, custom_id="too-long"),
         Request(prompt="Another fine prompt", max_tokens=6, custom_id="ok-2"),
     ]
-    info = q.submit(conn, reqs, queue="wq")
+    info = batches.submit(conn, reqs, queue="wq")
     run_worker(profile, conn, burst=True, queues=["wq"])
-    results = list(q.iter_batch_results(conn, info.batch_id))
+    results = list(batches.iter_batch_results(conn, info.batch_id))
     by_id = {r.custom_id: r for r in results}
     assert by_id["ok-1"].finish_reason in ("stop", "length") and by_id["ok-1"].token_ids
     assert by_id["ok-2"].finish_reason in ("stop", "length")
     assert by_id["bad-ids"].finish_reason == "error" and "vocab" in by_id["bad-ids"].error.lower()
     assert by_id["too-long"].finish_reason == "error"
     assert "context" in by_id["too-long"].error
-    s = q.batch_status(conn, info.batch_id)
+    s = batches.batch_status(conn, info.batch_id)
     assert (s.finished, s.failed) == (2, 2)
     failed = Queue("wq", connection=conn, serializer=serializer).failed_job_registry
     assert failed.count == 2
@@ -61,11 +61,13 @@ def test_hostile_jobs_fail_without_running_anything(conn, profile, tmp_path):
 
 
 def test_worker_registers_with_rq_and_finishes_jobs_through_rq(conn, profile):
-    info = q.submit(conn, [Request(prompt=f"p{i}", max_tokens=5) for i in range(10)], queue="wq")
+    info = batches.submit(
+        conn, [Request(prompt=f"p{i}", max_tokens=5) for i in range(10)], queue="wq"
+    )
     worker = run_worker(profile, conn, burst=True, queues=["wq"])
     worker.refresh()
     assert worker.successful_job_count == 10 and worker.jobs_done == 10
-    ids = q.batch_job_ids(conn, info.batch_id)
+    ids = batches.batch_job_ids(conn, info.batch_id)
     job = Job.fetch(ids[3], connection=conn, serializer=serializer)
     assert job.get_status() == "finished"
     rv = job.return_value()
@@ -117,7 +119,7 @@ def test_client_takes_openai_batch_lines(conn, valkey_url):
     }
     batch = Client(valkey_url).submit([line], queue="cq")
     job = Job.fetch(
-        q.batch_job_ids(conn, batch.batch_id)[0], connection=conn, serializer=serializer
+        batches.batch_job_ids(conn, batch.batch_id)[0], connection=conn, serializer=serializer
     )
     assert job.args[0]["prompt"] == "Hi" and job.args[0]["max_tokens"] == 5
 
@@ -132,7 +134,7 @@ def test_worker_publishes_itself_and_serves_metrics(conn, profile):
 
     seen = []
     prof = msgspec.structs.replace(profile, metrics_port=0, name="pub-1")
-    q.submit(conn, [Request(prompt=f"p{i}", max_tokens=4) for i in range(6)], queue="mq")
+    batches.submit(conn, [Request(prompt=f"p{i}", max_tokens=4) for i in range(6)], queue="mq")
 
     def on_finish(result):
         seen.extend(fleet.live_workers(conn))

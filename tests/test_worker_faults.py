@@ -12,8 +12,7 @@ import pytest
 from rq import Queue
 from rq.job import Job
 
-from mlxq.broker import batches as q
-from mlxq.broker import keys
+from mlxq.broker import batches, keys
 from mlxq.broker.serializer import serializer
 from mlxq.wire import Request
 from mlxq.worker.launch import run_worker
@@ -68,23 +67,23 @@ def test_bad_requests_pushed_straight_into_rq_fail_alone(conn, profile):
 
 
 def test_expired_batch_requests_are_not_run(conn, profile):
-    info = q.submit(
+    info = batches.submit(
         conn, [Request(prompt=f"p{i}", max_tokens=4) for i in range(3)], queue="exp", expires_in=1
     )
     time.sleep(1.2)
     run_worker(profile, conn, burst=True, queues=["exp"])
-    results = list(q.iter_batch_results(conn, info.batch_id))
+    results = list(batches.iter_batch_results(conn, info.batch_id))
     assert [r.finish_reason for r in results] == ["expired"] * 3
     assert all(r.token_ids == [] and "expired" in r.error for r in results)
     assert all(r.usage.prompt_tokens > 0 for r in results)  # tokenized when vetted
-    assert q.batch_status(conn, info.batch_id).failed == 3
+    assert batches.batch_status(conn, info.batch_id).failed == 3
 
 
 def test_job_time_limit_stops_generation_with_partial_output(conn, profile):
     reqs = [Request(prompt=f"Long story {i}", max_tokens=1900) for i in range(4)]
-    info = q.submit(conn, reqs, queue="slow", job_timeout=1)
+    info = batches.submit(conn, reqs, queue="slow", job_timeout=1)
     run_worker(profile, conn, burst=True, queues=["slow"])
-    results = list(q.iter_batch_results(conn, info.batch_id))
+    results = list(batches.iter_batch_results(conn, info.batch_id))
     timed_out = [r for r in results if r.finish_reason == "timeout"]
     assert timed_out, [r.finish_reason for r in results]
     assert all("time limit" in r.error for r in timed_out)
@@ -93,20 +92,20 @@ def test_job_time_limit_stops_generation_with_partial_output(conn, profile):
 
 def test_a_job_refused_for_its_length_reports_its_prompt_tokens(conn, profile):
     """Refused at vetting once tokenized: the failed result's usage counts its prompt."""
-    info = q.submit(conn, [Request(prompt=[5] * 30, max_tokens=2040)], queue="long")
+    info = batches.submit(conn, [Request(prompt=[5] * 30, max_tokens=2040)], queue="long")
     run_worker(profile, conn, burst=True, queues=["long"])
-    (failed,) = list(q.iter_batch_results(conn, info.batch_id))
+    (failed,) = list(batches.iter_batch_results(conn, info.batch_id))
     assert failed.finish_reason == "error" and "but the context of" in failed.error
     assert failed.usage.prompt_tokens == 30 and failed.usage.completion_tokens == 0
 
 
 def test_retries_then_failed_and_mlxq_retry_requeues(conn, profile):
-    info = q.submit(conn, [Request(prompt=[1, 99999], max_tokens=3)], queue="rt", retries=2)
-    job_id = q.batch_job_ids(conn, info.batch_id)[0]
+    info = batches.submit(conn, [Request(prompt=[1, 99999], max_tokens=3)], queue="rt", retries=2)
+    job_id = batches.batch_job_ids(conn, info.batch_id)[0]
     run_worker(profile, conn, burst=True, queues=["rt"])
     job = Job.fetch(job_id, connection=conn, serializer=serializer)
     assert job.get_status() == "failed" and job.retries_left == 0
-    assert q.retry_failed(conn, [job_id]) == 1
+    assert batches.retry_failed(conn, [job_id]) == 1
     assert Job.fetch(job_id, connection=conn, serializer=serializer).get_status() == "queued"
     assert conn.lrange("rq:queue:rt", 0, -1) == [job_id.encode()]
 

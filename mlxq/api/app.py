@@ -32,7 +32,7 @@ from mlxq.api.errors import ApiError, bad_request, decode_body
 from mlxq.api.models import get_model, list_models
 from mlxq.api.objects import FINAL_STATUSES, BatchState, encoder
 from mlxq.api.uploads import DEFAULT_MAX_LINES, DEFAULT_MAX_UPLOAD_BYTES, read_upload
-from mlxq.broker import batches as q
+from mlxq.broker import batches as broker_batches
 from mlxq.errors import needs_extra
 
 with needs_extra("api", "mlxq api"):
@@ -325,7 +325,7 @@ def _error_response(error: ApiError) -> Response:
 
 def create_app(settings: ApiSettings, conn: redis.Redis | None = None) -> Starlette:
     """The ASGI app for ``settings`` (``conn`` overrides the connection to ``redis_url``)."""
-    conn = conn or q.connect(settings.redis_url)
+    conn = conn or broker_batches.connect(settings.redis_url)
     middleware = []
     if settings.api_keys is not None:
         checker = KeyChecker(settings.api_keys, admin=settings.admin_keys)

@@ -42,8 +42,7 @@ from mlxq.api.objects import (
     now,
 )
 from mlxq.api.validation import Validated, validate_input
-from mlxq.broker import batches as q
-from mlxq.broker import keys, routing
+from mlxq.broker import batches, keys, routing
 from mlxq.formats.openai_output import ENDPOINTS, unsupported_endpoint
 from mlxq.wire import BatchStatus
 
@@ -170,7 +169,7 @@ def _submit(
 ) -> None:
     """Enqueue the requests as one mlxq batch on a queue whose workers serve the model (its
     own queue if none does yet), at ``priority``."""
-    mlxq_id = q.new_batch_id()
+    mlxq_id = batches.new_batch_id()
     queue = routing.batch_queue(model, routing.Fleet.read(conn))  # (where its workers listen)
 
     def prepare(state: BatchState) -> bool:
@@ -182,7 +181,7 @@ def _submit(
     # The mlxq batch id is recorded first, so a submit cut short can be cleaned up.
     store.update_batch(conn, batch_id, prepare)
     source = f"api:{batch_id}"
-    q.submit(
+    batches.submit(
         conn, requests, queue=queue, batch_id=mlxq_id, source=source, model=model, priority=priority
     )
 
@@ -223,7 +222,7 @@ def cancel_batch(conn: redis.Redis, batch_id: str, tenant: Tenant | None) -> Bat
     store.get_batch(conn, batch_id, tenant)  # a 404 unless it is the tenant's
     state = store.update_batch(conn, batch_id, cancelling)
     if state.batch.status == "cancelling" and state.submitted and state.mlxq_batch_id:
-        q.mark_cancelled(conn, state.mlxq_batch_id)  # (a batch still validating: after it)
+        batches.mark_cancelled(conn, state.mlxq_batch_id)  # (a batch still validating: after it)
     return state
 
 
@@ -269,7 +268,7 @@ def end_jobs(conn: redis.Redis, batch_id: str, settle_s: float = _SETTLE_S) -> B
         return state
     if state.submitted and state.mlxq_batch_id:
         stop = state.ending == "cancelled"
-        q.cancel_batch(conn, state.mlxq_batch_id, stop_running=stop)
+        batches.cancel_batch(conn, state.mlxq_batch_id, stop_running=stop)
     deadline = time.monotonic() + settle_s
     while True:
         state = refresh(conn, batch_id, force=True, ender=True)
@@ -306,8 +305,8 @@ def refresh(
         state = store.update_batch(conn, batch_id, _expiring)
     assert state.mlxq_batch_id is not None
     try:
-        progress = q.batch_status(conn, state.mlxq_batch_id)
-    except q.BatchNotFound:
+        progress = batches.batch_status(conn, state.mlxq_batch_id)
+    except batches.BatchNotFound:
         return store.update_batch(conn, batch_id, _lost)
     if state.ending and _end_owed(conn, state.mlxq_batch_id, progress):
         end_in_background(conn, batch_id)  # (it answers at once: this read never waits)
@@ -325,7 +324,7 @@ def _ends_here(batch_id: str) -> bool:
 def _end_owed(conn: redis.Redis, mlxq_batch_id: str, p: BatchStatus) -> bool:
     """Whether an ending batch's early end still has work to do: jobs waiting, or the mlxq
     batch not marked cancelled yet (a process that died between the two)."""
-    return p.queued > 0 or not q.batch_cancelled(conn, mlxq_batch_id)
+    return p.queued > 0 or not batches.batch_cancelled(conn, mlxq_batch_id)
 
 
 def _check_due(conn: redis.Redis, state: BatchState) -> bool:
@@ -403,14 +402,14 @@ def _cancel_orphans(conn: redis.Redis, mlxq_batch_id: str) -> None:
     (none of its jobs starts), and its waiting jobs cancelled on a thread (a read never
     waits on that)."""
     try:
-        q.mark_cancelled(conn, mlxq_batch_id, stop_running=False)
+        batches.mark_cancelled(conn, mlxq_batch_id, stop_running=False)
     except redis.RedisError as e:  # best effort: the batch fails either way
         log.warning("could not cancel the jobs of interrupted batch %s: %s", mlxq_batch_id, e)
         return
 
     def cancel_rest() -> None:
         try:
-            q.cancel_batch(conn, mlxq_batch_id, stop_running=False)
+            batches.cancel_batch(conn, mlxq_batch_id, stop_running=False)
         except Exception:
             log.exception("cancelling the jobs of interrupted batch %s failed", mlxq_batch_id)
 

@@ -37,7 +37,7 @@ from mlxq.api import dashboard_health as health
 from mlxq.api import redis_keys as api_keys
 from mlxq.api.dashboard_history import RateHistory, Throughput
 from mlxq.api.objects import state_decoder
-from mlxq.broker import batches as q
+from mlxq.broker import batches as broker_batches
 from mlxq.broker import fleet, keys
 from mlxq.broker.failures import FailureSummary, failure_reasons
 from mlxq.wire import BatchInfo, BatchStatus, ModelProgress, QueueInfo, WorkerInfo
@@ -267,13 +267,13 @@ class Dashboard:
         entry = self._seen.get(batch_id)
         try:
             if entry is None:
-                entry = _Seen(q.get_batch(self.conn, batch_id), batch_id, tick)
+                entry = _Seen(broker_batches.get_batch(self.conn, batch_id), batch_id, tick)
             s = entry.status
             finished = s is not None and s.done >= s.total
             if not finished or tick - entry.read_at >= DONE_RECHECK_S:
-                entry.status = q.batch_status(self.conn, batch_id)
+                entry.status = broker_batches.batch_status(self.conn, batch_id)
                 entry.read_at = tick
-        except q.BatchNotFound:
+        except broker_batches.BatchNotFound:
             return None  # expired: its id lingers in the index until then
         done = entry.status.done
         if entry.last_done is None:

@@ -25,7 +25,7 @@ from mlxq.api.objects import (
     now,
     output_file_id,
 )
-from mlxq.broker import batches as q
+from mlxq.broker import batches
 from mlxq.broker.rq_store import reads
 from mlxq.formats.openai_output import (
     ERROR_MESSAGES,
@@ -59,7 +59,7 @@ def finalize(conn: redis.Redis, batch_id: str) -> BatchState:
         if state.batch.status != "finalizing":
             return state
         if state.ending:  # a job put back by a stopping worker since the last look
-            q.cancel_batch(conn, state.mlxq_batch_id or "", stop_running=False)
+            batches.cancel_batch(conn, state.mlxq_batch_id or "", stop_running=False)
         outcome = build_files(conn, state)
         return store.update_batch(conn, batch_id, lambda s: _to_final(s, outcome))
 
@@ -95,8 +95,8 @@ def build_files(conn: redis.Redis, state: BatchState) -> Outcome:
     """Write the output and error files of a batch from its mlxq results."""
     assert state.mlxq_batch_id is not None
     batch = state.batch
-    job_ids = q.batch_job_ids(conn, state.mlxq_batch_id)
-    results = q.fetch_results(conn, job_ids)
+    job_ids = batches.batch_job_ids(conn, state.mlxq_batch_id)
+    results = batches.fetch_results(conn, job_ids)
     missing = [jid for jid, r in zip(job_ids, results, strict=True) if r is None]
     metas = reads.job_metas(conn, missing)
     custom_ids = {jid: m.custom_id for jid, m in zip(missing, metas, strict=True)}

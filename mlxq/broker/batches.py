@@ -8,25 +8,31 @@ order, under ``keys.batch_jobs``. All Redis traffic here is pipelined in chunks.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 
-import msgspec
 import redis
 from rq import Queue
 
 from mlxq.broker import keys, routing
+from mlxq.broker.batch_record import (
+    CHUNK,
+    BatchNotFound,
+    batch_job_ids,
+    decode_info,
+    get_batch,
+    iter_job_id_chunks,
+    new_batch_id,
+)
 from mlxq.broker.rq_store import cancel_retry, counters, reads, states
 from mlxq.broker.serializer import serializer
-from mlxq.wire import BatchInfo, BatchStatus, Result
-
-CHUNK = reads.CHUNK
-
-_batch_info_decoder = msgspec.json.Decoder(BatchInfo)
-
-
-class BatchNotFound(LookupError):
-    """No batch with this id in Redis (never submitted, or expired)."""
+from mlxq.broker.submission import (
+    BatchCancelled,
+    ResumeRefused,
+    requests_digest,
+    resume,
+    submit,
+)
+from mlxq.wire import BatchStatus, Result
 
 
 def connect(url: str) -> redis.Redis:
@@ -39,39 +45,6 @@ def connect(url: str) -> redis.Redis:
 def make_queue(conn: redis.Redis, name: str) -> Queue:
     """An RQ queue using mlxq's JSON serializer (never pickle)."""
     return Queue(name, connection=conn, serializer=serializer)
-
-
-def new_batch_id() -> str:
-    """A short, unique, URL-safe batch id."""
-    return "b" + uuid.uuid4().hex[:16]
-
-
-def get_batch(conn: redis.Redis, batch_id: str) -> BatchInfo:
-    """The stored record of a batch, or ``BatchNotFound``."""
-    raw = conn.get(keys.batch_info(batch_id))
-    if raw is None:
-        raise BatchNotFound(
-            f"no batch {batch_id!r} on this Redis (check the id and --redis-url; "
-            f"batches expire {keys.BATCH_TTL // 86400} days after submit)"
-        )
-    return _batch_info_decoder.decode(raw)
-
-
-def batch_job_ids(conn: redis.Redis, batch_id: str) -> list[str]:
-    """The batch's job ids in input order."""
-    return [j for ids in iter_job_id_chunks(conn, batch_id) for j in ids]
-
-
-def iter_job_id_chunks(conn: redis.Redis, batch_id: str) -> Iterator[list[str]]:
-    """The batch's job ids in input order, a chunk at a time (bounded memory)."""
-    start = 0
-    while True:
-        ids = [j.decode() for j in conn.lrange(keys.batch_jobs(batch_id), start, start + CHUNK - 1)]
-        if ids:
-            yield ids
-        if len(ids) < CHUNK:
-            return
-        start += len(ids)
 
 
 def job_states(conn: redis.Redis, job_ids: Sequence[str]) -> list[str]:
@@ -89,7 +62,7 @@ def batch_status(conn: redis.Redis, batch_id: str) -> BatchStatus:
         raw, counts, enqueued, alive = pipe.execute()
     if raw is None:
         get_batch(conn, batch_id)  # raises BatchNotFound
-    info = _batch_info_decoder.decode(raw)
+    info = decode_info(raw)
     c = counters.read_counts(counts) if counts or not enqueued else count_jobs(conn, batch_id)
     return BatchStatus(
         batch_id=batch_id,
@@ -231,13 +204,17 @@ def retry_failed(conn: redis.Redis, job_ids: Sequence[str]) -> int:
     return cancel_retry.retry_failed(conn, job_ids)
 
 
-# Submitting lives in its own module; its entry points are part of this one's API.
-from mlxq.broker.submission import (  # noqa: E402
-    BatchCancelled,
-    ResumeRefused,
-    requests_digest,
-    resume,
-    submit,
-)
-
-__all__ = ["BatchCancelled", "ResumeRefused", "requests_digest", "resume", "submit"]
+# The batch record's and submitting's entry points are part of this module's API.
+__all__ = [
+    "CHUNK",
+    "BatchCancelled",
+    "BatchNotFound",
+    "ResumeRefused",
+    "batch_job_ids",
+    "get_batch",
+    "iter_job_id_chunks",
+    "new_batch_id",
+    "requests_digest",
+    "resume",
+    "submit",
+]

@@ -14,7 +14,7 @@ from collections import Counter
 import msgspec
 import redis
 
-from mlxq.broker import batches as q
+from mlxq.broker import batches
 from mlxq.broker.rq_store import reads
 from mlxq.broker.rq_store.states import BUCKET_OF_STATUS
 from mlxq.wire import Result
@@ -42,7 +42,7 @@ def failure_reasons(conn: redis.Redis, batch_id: str, top: int = 3) -> FailureSu
     """The batch's failed jobs' error messages grouped, ``top`` most common first."""
     counts: Counter[str] = Counter()
     examples: dict[str, str] = {}
-    for ids in q.iter_job_id_chunks(conn, batch_id):
+    for ids in batches.iter_job_id_chunks(conn, batch_id):
         states = reads.job_states(conn, ids)
         failed = [j for j, s in zip(ids, states, strict=True) if _is_failed(s)]
         for result in reads.read_results(conn, failed) if failed else []:

@@ -16,8 +16,7 @@ import redis
 
 from mlxq.broker import keys
 from mlxq.broker.rq_store import reads, states
-from mlxq.engine.sampling import StreamChunk
-from mlxq.wire import StreamEntry, json_encoder
+from mlxq.wire import StreamChunk, StreamEntry, json_encoder
 
 STREAM_TTL = 24 * 3600  # streams are for watching live; results keep the output for days
 _entry = msgspec.json.Decoder(StreamEntry)

@@ -24,7 +24,7 @@ import redis
 from rq import Queue, Retry
 
 from mlxq.broker import keys, routing
-from mlxq.broker.batches import CHUNK, _batch_info_decoder, get_batch, new_batch_id
+from mlxq.broker.batch_record import CHUNK, decode_info, get_batch, new_batch_id
 from mlxq.broker.rq_store import counters, lanes
 from mlxq.errors import StartupError
 from mlxq.wire import BatchInfo, BatchModel, JobMeta, Request, json_encoder
@@ -212,7 +212,7 @@ def _enqueue_chunk(
             try:
                 pipe.watch(*watched)
                 raw = pipe.get(keys.batch_info(batch_id))
-                if raw is None or _batch_info_decoder.decode(raw).state == "cancelled":
+                if raw is None or decode_info(raw).state == "cancelled":
                     raise BatchCancelled(f"batch {batch_id} was cancelled while submitting")
                 _check_lease(pipe, batch_id, at, lease)
                 pipe.multi()
@@ -283,7 +283,7 @@ def _mark_submitted(conn: redis.Redis, info: BatchInfo) -> BatchInfo:
         try:
             pipe.watch(keys.batch_info(info.batch_id))
             raw = pipe.get(keys.batch_info(info.batch_id))
-            current = _batch_info_decoder.decode(raw) if raw else info
+            current = decode_info(raw) if raw else info
             if current.state != "submitting":
                 return current
             pipe.multi()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 import redis
 
-from mlxq.broker import batches as q
+from mlxq.broker import batches
 from mlxq.broker.rq_store import reads
 from mlxq.cli.support import connect, fail, redis_option
 from mlxq.wire import json_encoder
@@ -14,9 +14,9 @@ from mlxq.wire import json_encoder
 def _is_batch(conn: redis.Redis, target: str) -> bool:
     """Whether ``target`` is a batch id (else a job id), or exit saying it is neither."""
     try:
-        q.get_batch(conn, target)
+        batches.get_batch(conn, target)
         return True
-    except q.BatchNotFound:
+    except batches.BatchNotFound:
         if reads.job_exists(conn, target):
             return False
     fail(f"no batch or job {target!r} on this Redis (check the id and --redis-url)")
@@ -24,7 +24,7 @@ def _is_batch(conn: redis.Redis, target: str) -> bool:
 
 def _job_ids(conn: redis.Redis, target: str) -> list[str]:
     """The job ids of a batch, or the one job id given."""
-    return q.batch_job_ids(conn, target) if _is_batch(conn, target) else [target]
+    return batches.batch_job_ids(conn, target) if _is_batch(conn, target) else [target]
 
 
 @click.command()
@@ -37,9 +37,9 @@ def cancel(target: str, as_json: bool, redis_url: str) -> None:
     cancelled first, in one step: no worker starts one of its jobs after it."""
     conn = connect(redis_url)
     if _is_batch(conn, target):
-        dequeued, flagged = q.cancel_batch(conn, target)
+        dequeued, flagged = batches.cancel_batch(conn, target)
     else:
-        dequeued, flagged = q.cancel_jobs(conn, [target])
+        dequeued, flagged = batches.cancel_jobs(conn, [target])
     if as_json:
         click.echo(json_encoder.encode({"removed": dequeued, "stopping": flagged}).decode())
     else:
@@ -53,7 +53,7 @@ def cancel(target: str, as_json: bool, redis_url: str) -> None:
 def retry(target: str, as_json: bool, redis_url: str) -> None:
     """Put the failed jobs of a batch (or one failed job) back on their queue."""
     conn = connect(redis_url)
-    count = q.retry_failed(conn, _job_ids(conn, target))
+    count = batches.retry_failed(conn, _job_ids(conn, target))
     if as_json:
         click.echo(json_encoder.encode({"requeued": count}).decode())
     else:

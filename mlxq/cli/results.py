@@ -14,8 +14,7 @@ from typing import TextIO
 import click
 import redis
 
-from mlxq.broker import batches as q
-from mlxq.broker import failures, fleet, routing
+from mlxq.broker import batches, failures, fleet, routing
 from mlxq.cli.support import connect, fail, progress_bar, redis_errors, redis_option
 from mlxq.cli.tables import emit_table
 from mlxq.formats.openai_output import ENDPOINTS, is_error, to_openai_line
@@ -27,8 +26,8 @@ from mlxq.wire import BatchInfo, BatchStatus, Result, json_encoder
 def wait_with_progress(conn: redis.Redis, batch_id: str, timeout: float | None) -> BatchStatus:
     """Wait for a batch with a progress bar on stderr; on ``timeout`` or Ctrl-C, exit
     non-zero saying how far it is and how to wait again."""
-    info = q.get_batch(conn, batch_id)
-    start, done_before = time.monotonic(), q.batch_status(conn, batch_id).done
+    info = batches.get_batch(conn, batch_id)
+    start, done_before = time.monotonic(), batches.batch_status(conn, batch_id).done
     try:
         status = _wait(conn, info, timeout)
     except TimeoutError:
@@ -57,7 +56,7 @@ def _wait(conn: redis.Redis, info: BatchInfo, timeout: float | None) -> BatchSta
                 )
             bar.update(s.done - bar.pos)
 
-        return q.wait_for_batch(conn, batch_id, timeout=timeout, on_progress=progress)
+        return batches.wait_for_batch(conn, batch_id, timeout=timeout, on_progress=progress)
 
 
 def _not_done(conn: redis.Redis, info: BatchInfo, when: str) -> str:
@@ -65,7 +64,7 @@ def _not_done(conn: redis.Redis, info: BatchInfo, when: str) -> str:
     and how to wait again."""
     again = f"`mlxq results {info.batch_id} --wait -o FILE`"
     try:
-        s = q.batch_status(conn, info.batch_id)
+        s = batches.batch_status(conn, info.batch_id)
         workers = fleet.live_workers(conn)
     except redis.RedisError as e:
         return f"batch {info.batch_id}: not done {when} (Redis: {e}); wait again with {again}"
@@ -144,7 +143,7 @@ def _write_results(
     conn: redis.Redis, batch_id: str, out: TextIO, err: TextIO, fmt: OutputFormat
 ) -> tuple[int, int]:
     written = missing = 0
-    for result in q.iter_batch_results(conn, batch_id):
+    for result in batches.iter_batch_results(conn, batch_id):
         if result is None:
             missing += 1
             continue
@@ -307,7 +306,7 @@ def results(
         try:
             waited = wait_with_progress(conn, batch_id, timeout) if wait else None
             write_output(conn, batch_id, output, out_fmt)
-        except q.BatchNotFound as e:
+        except batches.BatchNotFound as e:
             fail(str(e))
         if waited is not None:
             fail_on_failures(conn, waited, errors_at(output, out_fmt))

@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING, Any
 import click
 import msgspec
 
-from mlxq.broker import batches as q
-from mlxq.broker import keys
+from mlxq.broker import batches, keys
 from mlxq.cli.results import (
     OUTPUT_HELP,
     OutputFormat,
@@ -134,7 +133,7 @@ def run(
         first = first_named(parsed.requests)
         settings["model"] = (first,) if isinstance(settings.get("model"), tuple) else first
     prof = worker_profile(profile, **settings)
-    digest = q.requests_digest(parsed.requests)
+    digest = batches.requests_digest(parsed.requests)
     own = default_folder(file, digest, prof.model or "")
     where = f" (what is done is kept in {data_dir or own})" if not redis_url else ""
     try:
@@ -161,7 +160,7 @@ def take_back(conn: redis.Redis, queue: str) -> None:
     folder's lock means no other worker of this embedded server lives."""
     from mlxq.broker.recovery import requeue_abandoned, requeue_stranded
 
-    rq_queue = q.make_queue(conn, queue)
+    rq_queue = batches.make_queue(conn, queue)
     requeue_abandoned(rq_queue, all_started=True)
     requeue_stranded(rq_queue, 0, at_once=True)
 
@@ -182,13 +181,13 @@ def _run(
 
     conn = connect(place.url, writes_jobs=True)
     model = prof.model or ""
-    digest = q.requests_digest(requests)
+    digest = batches.requests_digest(requests)
     found = find_unfinished(conn, digest, model, complete_too=place.own_folder) if resume else None
     if found is not None:
         if place.folder is not None:
             for queue in found.queues():
                 take_back(conn, queue)
-        done = q.batch_status(conn, found.batch_id).done
+        done = batches.batch_status(conn, found.batch_id).done
         click.echo(
             f"resuming batch {found.batch_id}: {done} of {found.total} requests were done "
             f"before ({place.kept()})",
@@ -203,10 +202,10 @@ def _run(
     setups[0].start()
     place.holds_batch = True  # from here an interrupted run resumes from its folder
     info = _batch(conn, found, requests, file, model, priority)
-    done_before = q.batch_status(conn, info.batch_id).done
+    done_before = batches.batch_status(conn, info.batch_id).done
     start = time.monotonic()
     ran, tokens, works = _serve(runs, conn, info, done_before, setups, log_level)
-    s = q.batch_status(conn, info.batch_id)
+    s = batches.batch_status(conn, info.batch_id)
     elapsed = time.monotonic() - start
     work = summed(works)
     click.echo(
@@ -273,9 +272,9 @@ def _batch(
     """The batch to serve: ``found`` (its submit finished if it was cut short), or a new
     one on private queues (this run's workers drain exactly this batch), one per model."""
     if found is None:
-        batch_id = q.new_batch_id()
+        batch_id = batches.new_batch_id()
         queue = f"{RUN_QUEUE_PREFIX}{batch_id}"
-        return q.submit(
+        return batches.submit(
             conn,
             requests,
             queue=queue,
@@ -288,8 +287,8 @@ def _batch(
     if found.state != "submitting":
         return found
     try:
-        return q.resume(conn, found.batch_id, requests)[0]
-    except (q.BatchNotFound, q.ResumeRefused, q.BatchCancelled) as e:
+        return batches.resume(conn, found.batch_id, requests)[0]
+    except (batches.BatchNotFound, batches.ResumeRefused, batches.BatchCancelled) as e:
         fail(str(e))
 
 
@@ -359,7 +358,7 @@ def _serve(
 
 def _left_on(conn: redis.Redis, batch_id: str, queue: str) -> bool:
     """Whether some of the batch's jobs on ``queue`` still wait or run."""
-    for m in q.batch_status(conn, batch_id).models:
+    for m in batches.batch_status(conn, batch_id).models:
         if m.queue == queue:
             return m.counts["queued"] + m.counts["started"] > 0
     return False

@@ -19,8 +19,7 @@ from pathlib import Path
 import msgspec
 import redis
 
-from mlxq.broker import batches as q
-from mlxq.broker import keys
+from mlxq.broker import batches, keys
 from mlxq.cli.support import fail
 from mlxq.wire import BatchInfo
 
@@ -141,7 +140,7 @@ def find_unfinished(
             continue
         if complete_too or info.state == "submitting":
             return info
-        s = q.batch_status(conn, info.batch_id)
+        s = batches.batch_status(conn, info.batch_id)
         if s.done < s.total:
             return info
     return None

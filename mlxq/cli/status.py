@@ -9,8 +9,7 @@ from __future__ import annotations
 import click
 import msgspec
 
-from mlxq.broker import batches as q
-from mlxq.broker import unaccounted
+from mlxq.broker import batches, unaccounted
 from mlxq.cli.fleet import print_queue_overview
 from mlxq.cli.support import connect, fail, redis_errors, redis_option
 from mlxq.wire import BatchStatus, json_encoder
@@ -31,8 +30,8 @@ def status(batch_id: str | None, as_json: bool, redis_url: str) -> None:
             print_queue_overview(conn, as_json)
             return
         try:
-            s = q.batch_status(conn, batch_id)
-        except q.BatchNotFound as e:
+            s = batches.batch_status(conn, batch_id)
+        except batches.BatchNotFound as e:
             fail(str(e))
         lost = unaccounted.survey(conn, batch_id)
         if as_json:
@@ -49,7 +48,7 @@ def status(batch_id: str | None, as_json: bool, redis_url: str) -> None:
         if lost.count:
             click.echo(_lost_line(batch_id, lost))
         if s.state != "submitted":
-            click.echo(_incomplete(s, q.get_batch(conn, batch_id).source))
+            click.echo(_incomplete(s, batches.get_batch(conn, batch_id).source))
 
 
 def _print_status(s: BatchStatus) -> None:

@@ -9,8 +9,7 @@ from typing import Any
 import click
 import redis
 
-from mlxq.broker import batches as q
-from mlxq.broker import keys, routing
+from mlxq.broker import batches, keys, routing
 from mlxq.cli.results import (
     OutputFormat,
     errors_at,
@@ -204,8 +203,8 @@ def _queues(info: BatchInfo) -> str:
 
 def _batch_of(conn: redis.Redis, batch_id: str) -> BatchInfo:
     try:
-        return q.get_batch(conn, batch_id)
-    except q.BatchNotFound as e:
+        return batches.get_batch(conn, batch_id)
+    except batches.BatchNotFound as e:
         fail(str(e))
 
 
@@ -305,18 +304,18 @@ def _submit_new(conn: redis.Redis, file: str, requests: list, **settings: Any): 
 
     with progress_bar(len(requests), "enqueueing") as bar:
         try:
-            return q.submit(
+            return batches.submit(
                 conn, requests, source=file, on_progress=bar.update, on_created=created, **settings
             )
-        except q.BatchCancelled as e:
+        except batches.BatchCancelled as e:
             fail(f"{e}; its enqueued requests were cancelled")
 
 
 def _resume(conn: redis.Redis, batch_id: str, requests: list):  # -> BatchInfo
     with progress_bar(len(requests), f"resuming {batch_id}") as bar:
         try:
-            info, already = q.resume(conn, batch_id, requests, on_progress=bar.update)
-        except (q.BatchNotFound, q.ResumeRefused, q.BatchCancelled) as e:
+            info, already = batches.resume(conn, batch_id, requests, on_progress=bar.update)
+        except (batches.BatchNotFound, batches.ResumeRefused, batches.BatchCancelled) as e:
             fail(str(e))
     click.echo(
         f"batch {batch_id}: {already} requests were enqueued before, {info.total - already} now",

@@ -15,8 +15,7 @@ from typing import Any, NoReturn
 import click
 import redis
 
-from mlxq.broker import batches as q
-from mlxq.broker import keys
+from mlxq.broker import batches, keys
 from mlxq.errors import StartupError
 
 DEFAULT_LOCAL_URL = "redis://127.0.0.1:6379/0"
@@ -202,7 +201,7 @@ def connect(url: str, *, writes_jobs: bool = False) -> redis.Redis:
         fail(problem)
     where = describe_url(url)
     try:
-        conn = q.connect(url)
+        conn = batches.connect(url)
         conn.ping()
     except redis.AuthenticationError as e:
         fail(

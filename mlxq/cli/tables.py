@@ -12,7 +12,7 @@ from typing import Any
 import click
 import redis
 
-from mlxq.broker import batches as q
+from mlxq.broker import batches
 from mlxq.cli.support import fail
 from mlxq.formats.defaults import DEFAULTABLE, RequestDefaults
 from mlxq.formats.tables import InputOptions
@@ -159,7 +159,7 @@ def emit_table(conn: redis.Redis, batch_id: str, output: str, fmt: str, with_inp
 
     if fmt == "parquet" and output == "-":
         fail("--format parquet needs a file: give -o FILE.parquet")
-    results = list(q.iter_batch_results(conn, batch_id))
+    results = list(batches.iter_batch_results(conn, batch_id))
     done = [r for r in results if r is not None]
     columns, rows = t.table_rows(done, with_input)
     if output != "-":

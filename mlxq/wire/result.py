@@ -18,6 +18,15 @@ class StreamEntry(Struct, omit_defaults=True):
     finish_reason: str | None = None  # set on the last entry only
 
 
+class StreamChunk(Struct):
+    """New output of a ``stream: true`` job since its last chunk, as the engine hands it to
+    the worker (which appends it to the job's stream as a :class:`StreamEntry`)."""
+
+    key: str  # the job's id
+    text: str
+    token_ids: list[int]
+
+
 class Usage(Struct):
     """Token counts of one request."""
 

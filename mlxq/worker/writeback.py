@@ -24,8 +24,7 @@ from mlxq.broker import streams
 from mlxq.broker.eviction import ServerLimits
 from mlxq.broker.rq_store import transitions
 from mlxq.broker.rq_store.ownership import Held
-from mlxq.engine.sampling import StreamChunk
-from mlxq.wire import Result, json_encoder
+from mlxq.wire import Result, StreamChunk, json_encoder
 from mlxq.worker.outage import refuses_writes
 from mlxq.worker.outcomes import InFlight, Written, write_results
 from mlxq.worker.profile import DEFAULTS

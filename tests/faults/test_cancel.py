@@ -17,8 +17,7 @@ import pytest
 import redis
 
 from mlxq.api import redis_keys as rk
-from mlxq.broker import batches as q
-from mlxq.broker import keys
+from mlxq.broker import batches, keys
 from mlxq.broker.rq_store import lanes, rq_keys
 from mlxq.wire import Request
 from tests.helpers import run_mlxq
@@ -53,7 +52,7 @@ def _wait(check, timeout: float, what: str):
 
 
 def _settled(conn: redis.Redis, batch_id: str) -> bool:
-    s = q.batch_status(conn, batch_id)
+    s = batches.batch_status(conn, batch_id)
     return s.queued == 0 and s.started == 0
 
 
@@ -63,16 +62,19 @@ def assert_cancelled_cleanly(
     """What every cancel must leave: no job of the batch started after the cancel answered,
     each job with exactly one result (finished before it, or cancelled), nothing of it in
     any list or registry, no per-job cancel flag left. Returns its jobs by final status."""
-    ids = q.batch_job_ids(conn, batch_id)
+    ids = batches.batch_job_ids(conn, batch_id)
     late = [t for t in _started_at(conn, ids) if t is not None and t > answered]
     assert late == [], f"{len(late)} jobs started after the cancel answered"
-    results = list(q.iter_batch_results(conn, batch_id))
+    results = list(batches.iter_batch_results(conn, batch_id))
     assert all(r is not None for r in results)
     assert [conn.xlen(rq_keys.results_key(j)) for j in ids] == [1] * len(ids)
     reasons = [r.finish_reason for r in results if r is not None]
     assert set(reasons) <= {"stop", "length", "cancelled"}, set(reasons)
     mine = {j.encode() for j in ids}
-    for listed in (rq_keys.queue_key(queue), q.make_queue(conn, queue).intermediate_queue_key):
+    for listed in (
+        rq_keys.queue_key(queue),
+        batches.make_queue(conn, queue).intermediate_queue_key,
+    ):
         assert not mine & set(conn.lrange(listed, 0, -1)), listed
     assert not conn.exists(keys.lane(queue, batch_id), keys.batch_lanes(batch_id))
     for rotation in lanes.rotations([queue]):
@@ -81,21 +83,21 @@ def assert_cancelled_cleanly(
     assert not mine & started
     assert list(conn.scan_iter(keys.cancel_flag("*"))) == []
     assert 0 < conn.ttl(keys.batch_cancelled(batch_id)) <= keys.BATCH_TTL
-    s = q.batch_status(conn, batch_id)
+    s = batches.batch_status(conn, batch_id)
     assert s.state == "cancelled" and s.finished + s.cancelled == s.total, s
     return {"finished": s.finished, "cancelled": s.cancelled}
 
 
 def assert_each_once(conn: redis.Redis, batch_id: str, n: int) -> None:
-    s = q.batch_status(conn, batch_id)
+    s = batches.batch_status(conn, batch_id)
     assert (s.total, s.finished, s.queued, s.started) == (n, n, 0, 0), s
-    ids = q.batch_job_ids(conn, batch_id)
+    ids = batches.batch_job_ids(conn, batch_id)
     assert [conn.xlen(rq_keys.results_key(j)) for j in ids] == [1] * n
 
 
 def _beside(conn: redis.Redis, queue: str) -> str:
     reqs = [Request(prompt=f"Other {i}:", max_tokens=4, custom_id=f"o{i}") for i in range(BESIDE)]
-    return q.submit(conn, reqs, queue=queue).batch_id
+    return batches.submit(conn, reqs, queue=queue).batch_id
 
 
 def test_mlxq_cancel_stops_a_running_batch_at_once(start, conn, valkey_url, tiny_model, tmp_path):
@@ -110,7 +112,7 @@ def test_mlxq_cancel_stops_a_running_batch_at_once(start, conn, valkey_url, tiny
     assert done.returncode == 0, done.stderr
     batch = re.search(r"batch (b[0-9a-f]+)", done.stdout).group(1)
     beside = _beside(conn, queue)
-    _wait(lambda: q.batch_status(conn, batch).finished >= 2 * MAX_BATCH, 120, "no progress")
+    _wait(lambda: batches.batch_status(conn, batch).finished >= 2 * MAX_BATCH, 120, "no progress")
 
     asked = time.time()
     done = run_mlxq("cancel", batch, "--json", url=valkey_url)
@@ -120,7 +122,7 @@ def test_mlxq_cancel_stops_a_running_batch_at_once(start, conn, valkey_url, tiny
     # (its jobs running then: at most what one worker holds)
     assert counts["stopping"] <= 2 * MAX_BATCH, counts
     _wait(lambda: _settled(conn, batch), 30, "the cancelled batch's running jobs did not stop")
-    q.wait_for_batch(conn, beside, timeout=300)
+    batches.wait_for_batch(conn, beside, timeout=300)
     assert_each_once(conn, beside, BESIDE)
     ended = assert_cancelled_cleanly(conn, batch, queue, answered)
     assert ended["cancelled"] >= counts["removed"] > 0
@@ -150,7 +152,11 @@ def test_openai_cancel_answers_at_once_and_reads_never_wait(
         )
         mlxq_id = json.loads(conn.get(rk.batch_record(created.id)))["mlxq_batch_id"]
         beside = _beside(conn, queue)
-        _wait(lambda: q.batch_status(conn, mlxq_id).finished >= 2 * MAX_BATCH, 120, "no progress")
+        _wait(
+            lambda: batches.batch_status(conn, mlxq_id).finished >= 2 * MAX_BATCH,
+            120,
+            "no progress",
+        )
 
         def timed(call):
             t = time.monotonic()
@@ -188,7 +194,7 @@ def test_openai_cancel_answers_at_once_and_reads_never_wait(
             len(out),
             len(errors),
         )
-        q.wait_for_batch(conn, beside, timeout=300)
+        batches.wait_for_batch(conn, beside, timeout=300)
         assert_each_once(conn, beside, BESIDE)
         print(
             f"API cancel: {max(t for _, t in answers):.3f} s; reads up to {max(reads):.3f} s; "

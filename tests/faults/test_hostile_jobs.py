@@ -12,8 +12,7 @@ import zlib
 import pytest
 import redis
 
-from mlxq.broker import batches as q
-from mlxq.broker import keys
+from mlxq.broker import batches, keys
 from mlxq.broker.rq_store import rq_keys
 from mlxq.wire import Request
 from tests.helpers import waiting
@@ -46,16 +45,18 @@ BAD_METAS = (b'{"batch_id": 5}', b"\x80not json")
 
 def _wait_ended(conn: redis.Redis, ids: list[str], worker) -> None:
     deadline = time.monotonic() + 120
-    while any(s not in ("finished", "failed") for s in q.job_states(conn, ids)):
+    while any(s not in ("finished", "failed") for s in batches.job_states(conn, ids)):
         assert worker.proc.poll() is None, worker.log.read_text()
-        assert time.monotonic() < deadline, dict(zip(ids, q.job_states(conn, ids), strict=True))
+        assert time.monotonic() < deadline, dict(
+            zip(ids, batches.job_states(conn, ids), strict=True)
+        )
         time.sleep(0.2)
 
 
 def test_bad_jobs_fail_alone_and_the_worker_carries_on(start, conn):
     reqs = [Request(prompt=f"Line {i}:", max_tokens=3, custom_id=f"c{i}") for i in range(24)]
-    batch = q.submit(conn, reqs, queue="hostile").batch_id
-    ids = q.batch_job_ids(conn, batch)
+    batch = batches.submit(conn, reqs, queue="hostile").batch_id
+    ids = batches.batch_job_ids(conn, batch)
     good, bad = ids[0::2], ids[1::2]  # each bad job between two good ones
     writes = [(f, v) for f, v in BAD_FIELDS.items()] + [("data", v) for v in BAD_PAYLOADS.values()]
     writes += [("meta", m) for m in BAD_METAS]
@@ -65,7 +66,7 @@ def test_bad_jobs_fail_alone_and_the_worker_carries_on(start, conn):
     _wait_ended(conn, ids, worker)
     assert worker.proc.poll() is None  # still serving
     assert [conn.xlen(rq_keys.results_key(j)) for j in ids] == [1] * len(ids)
-    results = dict(zip(ids, q.fetch_results(conn, ids), strict=True))
+    results = dict(zip(ids, batches.fetch_results(conn, ids), strict=True))
     assert all(results[j].finish_reason in ("stop", "length") for j in good)
     assert all(results[j].finish_reason == "error" for j in bad)
     errors = {field: results[j].error for (field, _), j in zip(writes, bad, strict=True)}
@@ -88,16 +89,18 @@ def test_a_job_taken_out_of_every_list_by_hand_comes_back(start, conn):
     worker.proc.send_signal(signal.SIGSTOP)
     try:
         reqs = [Request(prompt=f"p{i}", max_tokens=2, custom_id=f"c{i}") for i in range(3)]
-        batch = q.submit(conn, reqs, queue="byhand").batch_id
-        lost = q.batch_job_ids(conn, batch)[1]
+        batch = batches.submit(conn, reqs, queue="byhand").batch_id
+        lost = batches.batch_job_ids(conn, batch)[1]
         conn.lrem(keys.lane("byhand", batch), 1, lost)
     finally:
         worker.proc.send_signal(signal.SIGCONT)
     removed = time.monotonic()
-    status = q.wait_for_batch(conn, batch, timeout=120)
+    status = batches.wait_for_batch(conn, batch, timeout=120)
     took = time.monotonic() - removed
     assert (status.finished, status.queued, status.started) == (3, 0, 0), status
-    assert [conn.xlen(rq_keys.results_key(j)) for j in q.batch_job_ids(conn, batch)] == [1] * 3
+    assert [conn.xlen(rq_keys.results_key(j)) for j in batches.batch_job_ids(conn, batch)] == [
+        1
+    ] * 3
     log = worker.stop()
     assert f"job {lost} of batch {batch}" in log and "put it back on byhand" in log
     # --abandon-after (3 s) and the sweeps on either side of it (5 s apart), with room for

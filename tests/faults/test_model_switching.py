@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from mlxq.broker import batches as q
+from mlxq.broker import batches as broker_batches
 from mlxq.broker import fleet
 from mlxq.broker.rq_store import rq_keys
 from mlxq.wire import Request, Result
@@ -42,17 +42,17 @@ def two_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 
 def _submit(conn: redis.Redis, queue: str, n: int) -> str:
     reqs = [Request(prompt=PROMPT, max_tokens=6, custom_id=f"{queue}{i}") for i in range(n)]
-    return q.submit(conn, reqs, queue=queue).batch_id
+    return broker_batches.submit(conn, reqs, queue=queue).batch_id
 
 
 def _each_once(conn: redis.Redis, batch_id: str, n: int) -> list[Result]:
     """Every job of the batch finished, each with exactly one result; the results."""
-    q.wait_for_batch(conn, batch_id, timeout=180)
-    status = q.batch_status(conn, batch_id)
+    broker_batches.wait_for_batch(conn, batch_id, timeout=180)
+    status = broker_batches.batch_status(conn, batch_id)
     assert (status.total, status.finished, status.queued, status.started) == (n, n, 0, 0), status
-    ids = q.batch_job_ids(conn, batch_id)
+    ids = broker_batches.batch_job_ids(conn, batch_id)
     assert [conn.xlen(rq_keys.results_key(j)) for j in ids] == [1] * n
-    return list(q.iter_batch_results(conn, batch_id))
+    return list(broker_batches.iter_batch_results(conn, batch_id))
 
 
 def _switches(log: Path) -> list[tuple[str, str]]:

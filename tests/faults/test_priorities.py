@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from mlxq.broker import batches as q
+from mlxq.broker import batches
 from mlxq.broker.keys import queue_name_for_model
 from tests.faults.test_user_shape import assert_each_once
 from tests.helpers import run_mlxq
@@ -45,7 +45,7 @@ def _submit(url: str, path: Path, model: str | None, priority: str) -> str:
 
 
 def _finished(conn: redis.Redis, batch_id: str) -> list[float]:
-    times = [r.timing.finished_at for r in q.iter_batch_results(conn, batch_id) if r]
+    times = [r.timing.finished_at for r in batches.iter_batch_results(conn, batch_id) if r]
     assert all(t is not None for t in times)
     return sorted(t for t in times if t is not None)
 
@@ -69,11 +69,11 @@ def _big_then_small(
     finally:
         worker.proc.send_signal(signal.SIGCONT)
     for batch_id, n in ((small, sizes[1]), (big, sizes[0])):
-        q.wait_for_batch(conn, batch_id, timeout=300)
+        batches.wait_for_batch(conn, batch_id, timeout=300)
         assert_each_once(conn, batch_id, n)
-    assert q.get_batch(conn, big).priority == priorities[0]
+    assert batches.get_batch(conn, big).priority == priorities[0]
     for batch_id, model in ((big, models[0]), (small, models[1])):
-        assert q.get_batch(conn, batch_id).queue == queue_name_for_model(model)
+        assert batches.get_batch(conn, batch_id).queue == queue_name_for_model(model)
     status = run_mlxq("status", small, url=url)
     assert f"priority {priorities[1]}" in status.stdout, status.stdout
     return _finished(conn, big), _finished(conn, small)

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxq.broker import batches as q
-from mlxq.broker import fleet, keys
+from mlxq.broker import batches, fleet, keys
 from mlxq.broker.rq_store import reads
 from mlxq.server import make_server
 from tests.faults.test_faults import ROOT, assert_books_balance, start_worker, submit, wait_until
@@ -43,7 +42,7 @@ def _kill_submit_midway(url: str, conn, path: Path) -> str:
 def test_a_killed_submit_leaves_a_batch_that_resume_completes(valkey_url, conn, tmp_path):
     path = _prompts(tmp_path)
     batch_id = _kill_submit_midway(valkey_url, conn, path)
-    s = q.batch_status(conn, batch_id)
+    s = batches.batch_status(conn, batch_id)
     assert s.state == "submitting" and 0 < s.enqueued < N and s.total == N, s
     assert s.queued == s.enqueued == waiting(conn, "big")
     # Until its lease lapses the dead submit may still be alive: resume waits for it.
@@ -58,9 +57,9 @@ def test_a_killed_submit_leaves_a_batch_that_resume_completes(valkey_url, conn, 
     done = run_mlxq("submit", str(path), "--resume", batch_id, url=valkey_url)
     assert done.returncode == 0, done.stderr
     assert f"{s.enqueued} requests were enqueued before, {N - s.enqueued} now" in done.stderr
-    s = q.batch_status(conn, batch_id)
+    s = batches.batch_status(conn, batch_id)
     assert (s.state, s.enqueued, s.queued) == ("submitted", N, N)
-    ids = q.batch_job_ids(conn, batch_id)
+    ids = batches.batch_job_ids(conn, batch_id)
     assert len(set(ids)) == N == waiting(conn, "big")
     metas = reads.job_metas(conn, ids)
     assert [m.index for m in metas] == list(range(N))  # every line once, in order
@@ -70,10 +69,10 @@ def test_a_killed_submit_leaves_a_batch_that_resume_completes(valkey_url, conn, 
 def test_cancel_removes_the_jobs_of_a_killed_submit(valkey_url, conn, tmp_path):
     path = _prompts(tmp_path)
     batch_id = _kill_submit_midway(valkey_url, conn, path)
-    enqueued = q.batch_status(conn, batch_id).enqueued
+    enqueued = batches.batch_status(conn, batch_id).enqueued
     out = run_mlxq("cancel", batch_id, url=valkey_url)
     assert out.returncode == 0 and f"removed {enqueued} queued jobs" in out.stdout, out
-    s = q.batch_status(conn, batch_id)
+    s = batches.batch_status(conn, batch_id)
     assert (s.state, s.queued, s.cancelled) == ("cancelled", 0, enqueued)
     assert waiting(conn, "big") == 0
     conn.delete(keys.batch_submitter(batch_id))
@@ -122,7 +121,7 @@ def test_a_stalled_engine_puts_its_jobs_back_and_exits_nonzero(tiny_model, valke
     )
     assert proc.returncode == 3, proc.stderr
     assert "engine stalled" in proc.stderr and "--stall-timeout 3" in proc.stderr
-    s = q.batch_status(conn, batch)
+    s = batches.batch_status(conn, batch)
     assert s.started == 0 and s.queued == 4, s
     (info,) = fleet.live_workers(conn)
     assert info.name == "hung" and info.state == "stalled" and info.step_age_s >= 3
@@ -140,7 +139,7 @@ def evicting_url():
     server.start()
     try:
         url = server.connection_url + "/0"
-        q.connect(url).config_set("maxmemory-policy", "allkeys-lru")
+        batches.connect(url).config_set("maxmemory-policy", "allkeys-lru")
         yield url
     finally:
         server.stop()
@@ -160,5 +159,5 @@ def test_an_evicting_redis_is_refused_in_one_line(evicting_url, args):
     (line,) = out.stderr.strip().splitlines()
     assert "maxmemory-policy is allkeys-lru" in line and "CONFIG SET maxmemory-policy" in line
     assert "noeviction" in line and "managed service" in line
-    assert q.connect(evicting_url).dbsize() == 0  # nothing was written
+    assert batches.connect(evicting_url).dbsize() == 0  # nothing was written
     assert run_mlxq("status", url=evicting_url).returncode == 0  # reading is still allowed

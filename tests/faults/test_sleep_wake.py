@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from mlxq.broker import batches as q
+from mlxq.broker import batches
 from mlxq.broker.rq_store import rq_keys
 from mlxq.wire import Request
 from tests.helpers import Worker
@@ -32,7 +32,7 @@ def _submit(conn: redis.Redis, n: int, queue: str = "default", tag: str = "c") -
         Request(prompt=f"Story {i}:", max_tokens=200 + 150 * (i % 8), custom_id=f"{tag}{i}")
         for i in range(n)
     ]
-    return q.submit(conn, reqs, queue=queue).batch_id
+    return batches.submit(conn, reqs, queue=queue).batch_id
 
 
 def _until(pred: Callable[[], object], timeout: float, what: str) -> None:
@@ -44,17 +44,17 @@ def _until(pred: Callable[[], object], timeout: float, what: str) -> None:
 
 def _each_once(conn: redis.Redis, batch_id: str, n: int) -> None:
     """The batch done, every job with exactly one entry in ``rq:results:<id>``."""
-    q.wait_for_batch(conn, batch_id, timeout=300)
-    status = q.batch_status(conn, batch_id)
+    batches.wait_for_batch(conn, batch_id, timeout=300)
+    status = batches.batch_status(conn, batch_id)
     assert (status.total, status.finished, status.queued, status.started) == (n, n, 0, 0), status
-    ids = q.batch_job_ids(conn, batch_id)
+    ids = batches.batch_job_ids(conn, batch_id)
     twice = [j for j in ids if conn.xlen(rq_keys.results_key(j)) != 1]
     assert not twice, f"{len(twice)} of {n} jobs have not exactly one result"
 
 
 def _freeze_while_holding(conn: redis.Redis, a: Worker, batch_id: str) -> float:
     """SIGSTOP ``a`` once it runs jobs of the batch; when it was frozen."""
-    started = lambda: q.batch_status(conn, batch_id).started > 0  # noqa: E731
+    started = lambda: batches.batch_status(conn, batch_id).started > 0  # noqa: E731
     _until(lambda: started() or a.proc.poll() is not None, 120, "jobs to start")
     assert a.proc.poll() is None, a.log.read_text()
     a.proc.send_signal(signal.SIGSTOP)
@@ -80,7 +80,7 @@ def test_a_frozen_worker_woken_after_another_finished_its_jobs_runs_none_twice(s
     batch = _submit(conn, 40)
     frozen_at = _freeze_while_holding(conn, a, batch)
     b = start(*TIMEOUTS, "--name", "awake")
-    q.wait_for_batch(conn, batch, timeout=300)
+    batches.wait_for_batch(conn, batch, timeout=300)
     _wake(a, frozen_at)
     _settled(a)
     _each_once(conn, batch, 40)
@@ -99,7 +99,7 @@ def test_a_frozen_worker_woken_with_a_sigterm_waiting_puts_back_nothing_done(sta
     batch = _submit(conn, 40)
     frozen_at = _freeze_while_holding(conn, a, batch)
     start(*TIMEOUTS, "--name", "awake")
-    q.wait_for_batch(conn, batch, timeout=300)
+    batches.wait_for_batch(conn, batch, timeout=300)
     _wake(a, frozen_at, signal.SIGTERM)
     assert a.proc.wait(120) == 0, a.log.read_text()
     time.sleep(1.0)
@@ -128,14 +128,14 @@ def test_a_frozen_worker_of_two_models_woken_mid_switch_runs_none_twice(
     try:
         a.wait_listening(conn)
         first = _submit(conn, 24, queue="alpha", tag="a")
-        _until(lambda: q.batch_status(conn, first).started > 0, 120, "alpha's jobs to start")
+        _until(lambda: batches.batch_status(conn, first).started > 0, 120, "alpha's jobs to start")
         second = _submit(conn, 24, queue="beta", tag="b")  # a switch is decided, then frozen
         time.sleep(0.6)
         a.proc.send_signal(signal.SIGSTOP)
         frozen_at = time.monotonic()
         b = Worker(valkey_url, alpha, *args, "--name", "awake", log=tmp_path / "b.log")
-        q.wait_for_batch(conn, first, timeout=300)
-        q.wait_for_batch(conn, second, timeout=300)
+        batches.wait_for_batch(conn, first, timeout=300)
+        batches.wait_for_batch(conn, second, timeout=300)
         _wake(a, frozen_at)
         _settled(a)
         _each_once(conn, first, 24)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from mlxq.broker import batches as q
+from mlxq.broker import batches
 from mlxq.broker.rq_store import rq_keys
 from mlxq.wire import Request
 
@@ -18,10 +18,10 @@ pytestmark = pytest.mark.slow
 
 def test_sigterm_puts_back_pulled_jobs_and_finishes_running_ones(start, conn):
     reqs = [Request(prompt=f"Story {i}:", max_tokens=1500, custom_id=f"c{i}") for i in range(6)]
-    batch = q.submit(conn, reqs, queue="stopq").batch_id
+    batch = batches.submit(conn, reqs, queue="stopq").batch_id
     a = start("-q", "stopq", "--max-batch", "1", "--prefill-batch", "2", "--name", "first")
     deadline = time.monotonic() + 120
-    while q.batch_status(conn, batch).started < 2:  # one generating, one or more pulled
+    while batches.batch_status(conn, batch).started < 2:  # one generating, one or more pulled
         assert time.monotonic() < deadline and a.proc.poll() is None, a.log.read_text()
         time.sleep(0.05)
     a.proc.send_signal(signal.SIGTERM)
@@ -30,11 +30,11 @@ def test_sigterm_puts_back_pulled_jobs_and_finishes_running_ones(start, conn):
     put_back = set(re.findall(r"put job (\S+) back on stopq", log))
     assert put_back, log  # the pulled ones went back without being generated
     b = start("-q", "stopq", "--name", "second")
-    status = q.wait_for_batch(conn, batch, timeout=300)
+    status = batches.wait_for_batch(conn, batch, timeout=300)
     b.stop()
     assert (status.finished, status.queued, status.started) == (6, 0, 0), status
-    ids = q.batch_job_ids(conn, batch)
+    ids = batches.batch_job_ids(conn, batch)
     assert [conn.xlen(rq_keys.results_key(j)) for j in ids] == [1] * 6
-    by_worker = {r.job_id: r.worker for r in q.iter_batch_results(conn, batch)}
+    by_worker = {r.job_id: r.worker for r in batches.iter_batch_results(conn, batch)}
     assert all(by_worker[j] == "second" for j in put_back), by_worker
     assert "first" in by_worker.values()  # what it was generating, it finished

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from mlxq.broker import batches as q
+from mlxq.broker import batches
 from mlxq.broker.rq_store import rq_keys
 from tests.helpers import Worker, run_mlxq
 
@@ -84,9 +84,9 @@ def test_a_three_model_file_through_two_workers_that_serve_all_three(
         assert done.returncode == 0, done.stderr
         results = _check_results(out, three_models, named)
         batch_id = results[0]["batch_id"]
-        ids = q.batch_job_ids(conn, batch_id)
+        ids = batches.batch_job_ids(conn, batch_id)
         assert [conn.xlen(rq_keys.results_key(j)) for j in ids] == [1] * len(named)
-        status = q.batch_status(conn, batch_id)
+        status = batches.batch_status(conn, batch_id)
         assert (status.finished, status.queued, status.started) == (len(named), 0, 0)
     finally:
         logs = [w.stop() for w in workers]

@@ -13,7 +13,7 @@ import time
 import pytest
 import redis
 
-from mlxq.broker import batches as q
+from mlxq.broker import batches
 from mlxq.broker.rq_store import rq_keys
 from mlxq.wire import Request
 from tests.helpers import run_mlxq
@@ -24,17 +24,17 @@ IDLE_S = 1.5  # long enough for an idle worker to be back in its blocking pull
 
 def assert_each_once(conn: redis.Redis, batch_id: str, n: int) -> None:
     """Every job of the batch finished, each with exactly one result, in input order."""
-    status = q.batch_status(conn, batch_id)
+    status = batches.batch_status(conn, batch_id)
     assert (status.total, status.finished, status.queued, status.started) == (n, n, 0, 0), status
-    ids = q.batch_job_ids(conn, batch_id)
+    ids = batches.batch_job_ids(conn, batch_id)
     assert [conn.xlen(rq_keys.results_key(j)) for j in ids] == [1] * n
-    results = list(q.iter_batch_results(conn, batch_id))
+    results = list(batches.iter_batch_results(conn, batch_id))
     assert [r.custom_id for r in results] == [f"c{i}" for i in range(n)]
 
 
 def submit(conn: redis.Redis, n: int, queue: str) -> str:
     reqs = [Request(prompt=f"Line {i}:", max_tokens=3 + i % 4, custom_id=f"c{i}") for i in range(n)]
-    return q.submit(conn, reqs, queue=queue).batch_id
+    return batches.submit(conn, reqs, queue=queue).batch_id
 
 
 def test_cli_submit_wait_on_a_long_lived_worker_idle_between_three_batches(
@@ -75,7 +75,7 @@ def test_twenty_wake_ups_lose_nothing(start, conn, queues):
     start(*[arg for name in queues for arg in ("-q", name)])
     for wake in range(20):
         batch = submit(conn, 3, queues[wake % len(queues)])
-        q.wait_for_batch(conn, batch, timeout=120)
+        batches.wait_for_batch(conn, batch, timeout=120)
         assert_each_once(conn, batch, 3)
         time.sleep(IDLE_S)
 
@@ -86,9 +86,9 @@ def test_queue_order_is_honoured(start, conn):
     high = submit(conn, 4, "high")
     start("-q", "high", "-q", "low", "--max-batch", "1")
     for batch in (high, low):
-        q.wait_for_batch(conn, batch, timeout=120)
+        batches.wait_for_batch(conn, batch, timeout=120)
         assert_each_once(conn, batch, 4)
-    results = [r for b in (high, low) for r in q.iter_batch_results(conn, b)]
+    results = [r for b in (high, low) for r in batches.iter_batch_results(conn, b)]
     starts = [r.timing.started_at for r in results]
     assert max(starts[:4]) <= min(starts[4:])
 
