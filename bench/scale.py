@@ -4,7 +4,7 @@ Submits a big and a small batch to an embedded Valkey, ends every job of both wi
 realistic Result (written as a worker writes it: ``rq_store.transitions.end_job``, no
 model needed), then measures side by side: ``batch_status`` (counters) against counting
 job by job, ``mlxq results`` (a real process writing JSONL) for both sizes, with its peak
-RSS, and Redis memory per queued and per finished job (for README's sizing section).
+RSS, and Redis memory per queued and per finished job (for docs/operating.md's sizing).
 
     python bench/scale.py --jobs 100000 --small 10000
 """

@@ -24,7 +24,7 @@ from mlxq.wire import (
     result_decoder,
 )
 
-# The README's example result, as a worker stores it.
+# docs/formats.md's example result, as a worker stores it.
 README_RESULT = b"""{"job_id": "9f1c", "custom_id": "a1", "finish_reason": "length",
  "text": "Rain on the roof", "token_ids": [791, 1234, 56, 78],
  "usage": {"prompt_tokens": 14, "completion_tokens": 4, "total_tokens": 18},

@@ -21,7 +21,7 @@ from mlxq.worker.profile import WorkerProfile
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "s3cret-Pa55-do-not-leak"
-# The ACL the README recommends for mlxq's producers and workers: its rules, then the
+# The ACL docs/operating.md recommends for mlxq's producers and workers: its rules, then the
 # per-queue line once for each queue mlxq serves (the tests' "sec").
 _ACL_LINES = [
     line

@@ -173,7 +173,7 @@ def worker_profile(profile: str | None, **overrides: Any):  # -> WorkerProfile
     "--hosts",
     callback=lambda _ctx, _param, v: None if v is None else [h for h in v.split(",") if h],
     help="Split the model over these hosts, comma-separated, this one first: one worker "
-    "through MLX's distributed backend (README: A model bigger than one Mac).",
+    "through MLX's distributed backend (docs/distributed.md).",
 )
 @click.option(
     "--backend",

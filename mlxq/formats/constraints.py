@@ -90,7 +90,7 @@ def _grammar(kind: str, content: str) -> str:
 _WHERE = {
     "json_schema": (
         "response_format.json_schema.schema",
-        "fix the schema (the README lists the JSON-Schema keywords that are not supported)",
+        "fix the schema (docs/formats.md lists the JSON-Schema keywords that are not supported)",
     ),
     "regex": ("response_format.pattern", "fix the regex (Rust regex syntax, no look-around)"),
     "lark": ("response_format.lark", "fix the grammar (Lark syntax with a `start` rule)"),
