@@ -122,14 +122,14 @@ def test_results_owed_while_redis_is_away_are_written_when_it_is_back(conn, valk
     owed.done.append((inf, result))
     worker.connection = redis.Redis(port=1, socket_connect_timeout=0.5)  # Redis is gone
     try:
-        owed.flush(worker, fail=lambda f: None)
+        owed.flush(worker)
     except redis.ConnectionError:
         pass
     else:
         raise AssertionError("a write to a dead Redis succeeded")
     assert len(owed) == 1  # kept for the next try
     worker.connection = conn
-    assert owed.flush(worker, fail=lambda f: None) == []
+    owed.flush(worker)
     assert len(owed) == 0
     assert [r.text for r in batches.iter_batch_results(conn, batch)] == ["done"]
     status = batches.batch_status(conn, batch)

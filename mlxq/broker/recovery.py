@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import redis
 from rq.job import Job
 from rq.queue import Queue
 from rq.utils import current_timestamp, parse_composite_key
 
-from mlxq.broker import keys
+from mlxq.broker import keys, unaccounted
 from mlxq.broker.rq_store import reads, rq_keys, states, transitions
 from mlxq.wire import Result
 
@@ -155,3 +156,17 @@ def _failure(queue: Queue, job_id: str, tries: int) -> tuple[Job, Result]:
         "out of memory); not retried again. Check the workers' logs and the request's size"
     )
     return job, transitions.result_without_output(job, "error", message, worker=job.worker_name)
+
+
+def sweep(queues: Sequence[Queue], grace_s: float, every_s: float) -> dict[str, list[str]]:
+    """Put back, on ``queues``, the jobs of dead workers (``abandoned``), those stranded
+    between a pull and their registration (``stranded``) and those no list or registry
+    holds (``unaccounted``, at most once per ``every_s`` across the fleet); their ids by
+    how they were left."""
+    conn = queues[0].connection if queues else None
+    names = [queue.name for queue in queues]
+    return {
+        "abandoned": [j for q in queues for j in requeue_abandoned(q)],
+        "stranded": [j for q in queues for j in requeue_stranded(q, grace_s)],
+        "unaccounted": unaccounted.sweep(conn, names, grace_s, every_s) if conn else [],
+    }

@@ -50,7 +50,7 @@ class Setup:
     def __init__(self, profile: WorkerProfile, conn: redis.Redis | None = None) -> None:
         if not profile.model:
             raise ValueError("no model: pass --model (a local folder or a hub id) or a --profile")
-        self.profile = profile
+        self.profile, self.conn = profile, conn
         queues_by_model(profile)  # several models of one queue name: refused before loading
         self.models = ModelSet(profile)
         if conn is not None:  # found and checked: announced to `mlxq api` while it loads
@@ -71,16 +71,20 @@ class Setup:
         """This worker's memory claim, and the claims of the others loading (none where
         Redis refuses the write: a full Redis, which the worker then waits for)."""
         try:
-            name = profile.name or f"pid {os.getpid()}"
-            return sharing.claim_start(conn, name, profile.memory_fraction)
+            return sharing.claim_start(conn, _claim_name(profile), profile.memory_fraction)
         except redis.ResponseError as e:
             log.warning("could not claim this worker's memory share before loading: %s", e)
             return []
 
     def start(self) -> WorkerConfig:
-        """Start the MLX thread, load and warm up the model; the resolved configuration."""
+        """Start the MLX thread, load and warm up the model; the resolved configuration.
+        What it holds is claimed for its host at once (``sharing.claim_loaded``)."""
         self.runner.start()
         assert self.config is not None
+        if self.conn is not None:
+            with contextlib.suppress(redis.RedisError):
+                fraction, held = self.profile.memory_fraction, self.config.claimed_bytes
+                sharing.claim_loaded(self.conn, _claim_name(self.profile), fraction, held)
         return self.config
 
     def switch_to(self, model: str) -> Future[ModelInfo]:
@@ -104,6 +108,11 @@ class Setup:
         if first:  # (not once per switch: a long-lived worker switches without end)
             self._sized.append(self.config)
         return build_scheduler(self.config, log_sizing=first)
+
+
+def _claim_name(profile: WorkerProfile) -> str:
+    """The name a starting worker's memory claim shows (its own, or its pid)."""
+    return profile.name or f"pid {os.getpid()}"
 
 
 def engine_for(

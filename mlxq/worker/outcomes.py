@@ -1,26 +1,21 @@
-"""Writing finished jobs back to RQ: results, statuses and registries, many per round trip.
-
-Every result is written only if this worker still holds the job (``ownership``): a worker
-that slept past its heartbeat finds its jobs handed to someone else, and its late results
-are dropped, never written twice.
+"""What a worker holds (:class:`InFlight`) and the results it builds for them: tokens,
+usage and timing from the engine's Completion. Writing them is ``writeback``'s.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
-import redis
 from rq.executions import Execution
 from rq.job import Job
 from rq.queue import Queue
-from rq.worker import BaseWorker
 
-from mlxq.broker.rq_store import end_script, ownership, transitions
 from mlxq.engine.sampling import Completion
 from mlxq.engine.token_bytes import token_bytes_for
 from mlxq.wire import FinishReason, JobMeta, Request, Result, Timing, Usage
+from mlxq.worker.vetting import Vetted
 
 
 @dataclass
@@ -36,80 +31,10 @@ class InFlight:
     stop_reason: FinishReason | None = None  # "timeout"/"cancelled" when the worker stopped it
     prompt_tokens: int = 0  # as vetting tokenized it: usage for jobs the engine never counted
 
-
-@dataclass
-class Written:
-    """What became of results sent to Redis: the jobs this worker had lost meanwhile, and
-    the results Redis refused, each with its error (the rest were written)."""
-
-    lost: list[InFlight] = field(default_factory=list)
-    refused: list[tuple[InFlight, Result, redis.ResponseError]] = field(default_factory=list)
-
-    def add(self, other: Written) -> None:
-        """Take in the outcome of another write."""
-        self.lost += other.lost
-        self.refused += other.refused
-
-
-def write_results(worker: BaseWorker, done: list[tuple[InFlight, Result]]) -> Written:
-    """Store results of jobs this worker still holds.
-
-    Finished jobs (most) end through :mod:`~mlxq.broker.rq_store.end_script`, one script
-    call each, and Redis answers for each alone; the others through RQ's objects, in one
-    transaction, tried again job by job when Redis refuses it. A lost connection raises.
-    """
-    fast: list[tuple[InFlight, Result]] = []
-    rest: list[tuple[InFlight, Result]] = []
-    for inf, r in done:
-        (fast if end_script.applies(inf.job, r) else rest).append((inf, r))
-    endings = [end_script.Ending(inf.job, inf.queue, inf.execution, r) for inf, r in fast]
-    written = Written()
-    for (inf, r), ok in zip(fast, end_script.end_finished(worker, endings), strict=True):
-        if isinstance(ok, redis.ResponseError):
-            written.refused.append((inf, r, ok))
-        elif not ok:
-            written.lost.append(inf)
-    written.add(_write_through_rq(worker, rest))
-    return written
-
-
-def _write_through_rq(worker: BaseWorker, done: list[tuple[InFlight, Result]]) -> Written:
-    """:func:`write_results` for jobs the script does not end, through RQ's objects."""
-    if not done:
-        return Written()
-    try:
-        return Written(lost=_transaction(worker, done))
-    except redis.ResponseError as e:
-        if len(done) == 1:
-            return Written(refused=[(*done[0], e)])
-        written = Written()  # one bad job fails the transaction: find it
-        for item in done:
-            written.add(_write_through_rq(worker, [item]))
-        return written
-
-
-def _transaction(worker: BaseWorker, done: list[tuple[InFlight, Result]]) -> list[InFlight]:
-    """Write ``done`` in one transaction, for the jobs still held; the jobs found lost."""
-    results = {id(inf): result for inf, result in done}
-
-    def write(pipe: Any, inf: InFlight) -> None:
-        transitions.end_job(
-            pipe,
-            inf.job,
-            inf.queue,
-            results[id(inf)],
-            worker=worker,
-            execution=inf.execution,
-            count=False,
-        )
-
-    def count(pipe: Any, ended: list[InFlight]) -> None:
-        statuses = [(inf.job, inf.job.get_status(refresh=False)) for inf in ended]
-        transitions.count_ended(pipe, worker, statuses)
-
-    infs = [inf for inf, _ in done]
-    held = ownership.write_if_held(worker.connection, infs, write, count)
-    return [inf for inf, ok in zip(infs, held, strict=True) if not ok]
+    @classmethod
+    def of(cls, job: Job, queue: Queue, execution: Execution, v: Vetted, at: float) -> InFlight:
+        """A registered job that passed vetting, handed to the MLX thread at ``at``."""
+        return cls(job, queue, execution, v.request, v.meta, at, None, len(v.tokens))
 
 
 def build_result(

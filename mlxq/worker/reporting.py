@@ -7,7 +7,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the metrics extra is imported only where --metrics-port ask
 # published rate is 0, not the tail of its last minute's average (a few seconds' grace,
 # so a worker between two batches of short jobs does not flicker to 0).
 IDLE_AFTER_S = 5.0
+REPORT_INTERVAL_S = 2.0  # how often a worker publishes its state (WorkerInfo, metrics)
 
 
 class Reporter:
@@ -50,6 +51,7 @@ class Reporter:
         self._last_end = float("-inf")  # (clock) when a job last ended with tokens
         self.done = self.failures = self.tokens = 0
         self.started_at = time.time()
+        self._last_report = float("-inf")  # (monotonic) when it last published
         self._set_info()
 
     def _set_info(self) -> None:
@@ -90,6 +92,13 @@ class Reporter:
         self.failures += 1
         if self.metrics is not None:
             self.metrics.job_failed(reason)
+
+    def publish_if_due(self, conn: redis.Redis, *args: Any, force: bool = False, **kw: Any):
+        """:meth:`publish` every ``REPORT_INTERVAL_S``, or now with ``force``."""
+        if not force and time.monotonic() - self._last_report < REPORT_INTERVAL_S:
+            return
+        self._last_report = time.monotonic()
+        self.publish(conn, *args, **kw)
 
     def publish(
         self,

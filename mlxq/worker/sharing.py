@@ -47,6 +47,7 @@ class Starting(msgspec.Struct):
     pid: int
     fraction: float  # its --memory-fraction
     ticket: int = 0  # its place in the host's order of claims
+    claimed_bytes: int = 0  # what it holds once loaded (0: still loading)
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,9 @@ def claim_start(
 ) -> list[Starting]:
     """Record that this process, about to load its model, takes ``fraction`` of its host's
     memory, and wait (up to ``wait_s``) for the workers of this host that claimed before it
-    to load and publish what they really hold (:func:`neighbours` then counts them). The
-    claims of those still loading after that, to count by their fraction."""
+    to load (:func:`claim_loaded`). The claims of this host's other workers that hold
+    memory without a published record (a frozen worker's expired): loaded ones count what
+    they hold, those still loading after the wait their whole fraction."""
     key = keys.starting_workers(socket.gethostname())
     pid = os.getpid()
     me = Starting(name, pid, fraction)
@@ -115,9 +117,10 @@ def claim_start(
     ticket = int(claim(keys=[key], args=[pid, msgspec.json.encode(me), keys.BATCH_TTL]))
     deadline = time.monotonic() + wait_s
     while True:
-        earlier = [c for c in _loading(conn, key) if c.ticket < ticket]
+        claims = _unpublished(conn, key)
+        earlier = [c for c in claims if c.ticket < ticket and not c.claimed_bytes]
         if not earlier or time.monotonic() >= deadline:
-            return earlier
+            return claims
         log.info(
             "waiting for %s to load its model before sizing this worker's memory",
             ", ".join(f"{c.name} (pid {c.pid})" for c in earlier),
@@ -125,8 +128,16 @@ def claim_start(
         time.sleep(WAIT_POLL_S)
 
 
-def _loading(conn: redis.Redis, key: str) -> list[Starting]:
-    """The claims of this host's workers still loading: running, no record published yet
+def claim_loaded(conn: redis.Redis, name: str, fraction: float, claimed_bytes: int) -> None:
+    """This process has loaded its model and holds ``claimed_bytes``: the workers waiting
+    for it go on, and count that much while it has no record published."""
+    key = keys.starting_workers(socket.gethostname())
+    me = Starting(name, os.getpid(), fraction, claimed_bytes=claimed_bytes)
+    conn.hset(key, str(me.pid), msgspec.json.encode(me))
+
+
+def _unpublished(conn: redis.Redis, key: str) -> list[Starting]:
+    """The claims of this host's other workers that run and have no record published
     (claims of ended processes are dropped)."""
     raw = {k.decode(): v for k, v in conn.hgetall(key).items()}
     published = {w.pid for w in neighbours(conn)}
@@ -159,12 +170,12 @@ def share(
     starting: list[Starting] | tuple[Starting, ...] = (),
 ) -> Share:
     """What a worker asking for ``fraction`` of ``facts``' memory may hold beside
-    ``workers`` (this host's live workers, :func:`neighbours`) and the workers of this host
-    still loading (``starting``, :func:`claim_start`)."""
+    ``workers`` (this host's live workers, :func:`neighbours`) and this host's workers
+    with no record published (``starting``, :func:`claim_start`)."""
     memory = facts.recommended_bytes
     own = int(memory * fraction)
     others = tuple(w for w in workers if w.memory_domain == facts.memory_domain)
-    loading = tuple((s, int(memory * s.fraction)) for s in starting)
+    loading = tuple((s, s.claimed_bytes or int(memory * s.fraction)) for s in starting)
     if not others and not loading:
         return Share(own, own)
     ceiling = int(memory * max(fraction, DEFAULTS.memory_fraction))

@@ -8,17 +8,14 @@ thought it held; those are left as that worker left them, so none runs twice.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import redis
 from rq.worker import BaseWorker
 
 from mlxq.broker.rq_store import transitions
-from mlxq.broker.rq_store.ownership import Held
 from mlxq.engine.runner import Runner
 from mlxq.worker.outcomes import InFlight
 from mlxq.worker.reporting import Reporter
-from mlxq.worker.writeback import Writeback
+from mlxq.worker.writeback import Writeback, taken_over
 
 
 def release_all(
@@ -71,20 +68,3 @@ def release(
                 "Worker %s: put job %s back on %s", worker.name, inf.job.id, inf.queue.name
             )
     taken_over(worker, reporter, [inf for inf, ok in zip(items, held, strict=True) if not ok])
-
-
-def taken_over(worker: BaseWorker, reporter: Reporter | None, lost: Sequence[Held]) -> None:
-    """Say, in one line, that jobs this worker held were taken by another worker while it
-    was away (stopped, asleep or cut off past ``--abandon-after``), and count them."""
-    if not lost:
-        return
-    worker.log.warning(
-        "Worker %s: %d of its jobs were taken back while it was away (stopped, asleep or "
-        "cut off past --abandon-after) and handed on; left them to the other workers, so "
-        "none runs twice (first: %s)",
-        worker.name,
-        len(lost),
-        lost[0].job.id,
-    )
-    if reporter is not None:
-        reporter.taken_over(len(lost))

@@ -15,18 +15,41 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from mlxq.broker.rq_store import internals, lanes
+import redis
+
+from mlxq.broker.rq_store import lanes
 from mlxq.errors import one_line
 from mlxq.wire import ModelInfo
 from mlxq.worker.model_choice import ModelChoice, Switch
 
 if TYPE_CHECKING:
     from mlxq.worker.launch import Setup
-    from mlxq.worker.rq_worker import MlxqWorker
+    from mlxq.worker.reporting import Reporter
+
+
+class Host(Protocol):
+    """What the switcher needs of the worker it switches: what it holds, where it pulls
+    from, the model it names in results, and where switches are reported."""
+
+    name: str
+    connection: redis.Redis
+    model_name: str
+    reporter: Reporter | None
+
+    @property
+    def jobs_held(self) -> int:
+        """Jobs in flight or with results still owed to Redis."""
+        ...
+
+    def pull_only(self, queues: Sequence[str]) -> None:
+        """Take jobs only from these of its queues from now on."""
+        ...
+
 
 log = logging.getLogger("mlxq.worker")
 
@@ -62,26 +85,26 @@ class ModelSwitcher:
         """Whether a switch is under way (decided, or loading)."""
         return self.target is not None
 
-    def start(self, worker: MlxqWorker) -> None:
+    def start(self, worker: Host) -> None:
         """Point the worker's pulls at the loaded model's queues."""
-        internals.pull_only(worker, self.queues[self.active])
+        worker.pull_only(self.queues[self.active])
 
-    def holding(self, worker: MlxqWorker) -> bool:
+    def holding(self, worker: Host) -> bool:
         """One pass of the worker's loop: True while it must take no new jobs."""
         if self.loading is not None:
             return self._wait_loaded(worker)
         if self.target is None and not self._look(worker):
             return False
-        if worker.inflight or worker.owed:
+        if worker.jobs_held:
             return True  # the running jobs finish, and are written, first
         assert self.target is not None
         self._load_started = time.monotonic()
         self.loading = self.setup.switch_to(self.target.to)
         return True
 
-    def _look(self, worker: MlxqWorker) -> bool:
+    def _look(self, worker: Host) -> bool:
         """Read the queues and decide; True when a switch was decided."""
-        if worker.inflight and time.monotonic() - self._last_look < LOOK_INTERVAL_S:
+        if worker.jobs_held and time.monotonic() - self._last_look < LOOK_INTERVAL_S:
             return False
         self._last_look = time.monotonic()
         depth = lanes.waiting(worker.connection, self.names)  # RQ lists and batches' lanes
@@ -95,12 +118,12 @@ class ModelSwitcher:
                 "Worker %s: switching to %s once its %d running jobs finish: %s",
                 worker.name,
                 self.target.to,
-                len(worker.inflight),
+                worker.jobs_held,
                 self.target.why,
             )
         return self.target is not None
 
-    def _wait_loaded(self, worker: MlxqWorker) -> bool:
+    def _wait_loaded(self, worker: Host) -> bool:
         """Wait a little for the next model; once it runs, pull for it (and say so)."""
         assert self.loading is not None and self.target is not None
         wait_for([self.loading], timeout=LOAD_WAIT_S)

@@ -16,6 +16,7 @@ from mlxq.engine.runner import Runner
 from mlxq.worker.outcomes import InFlight
 from mlxq.worker.reporting import Reporter
 
+CONTROL_INTERVAL_S = 0.5  # how often cancel flags and time limits are checked
 # A loop pass takes at most about a second (a blocking pull); a gap this long between two
 # looks means the whole process was stopped or asleep, not busy.
 FROZEN_GAP_S = 5.0
@@ -145,3 +146,58 @@ def record_stall(
         )
     except redis.RedisError:
         pass  # the record expires by itself
+
+
+class Watchdog:
+    """The worker loop's checks on the jobs it holds, each when due: heartbeats (every
+    ``beat_every`` s), cancel flags and time limits (every ``CONTROL_INTERVAL_S``), a wake-up
+    after the whole process was stopped or asleep, and a hung MLX thread."""
+
+    def __init__(self, worker: BaseWorker, runner: Runner, ttl: int, stall_timeout: float):
+        self.worker, self.runner, self.ttl = worker, runner, ttl
+        self.stall_timeout = stall_timeout
+        self.awake = Awake()
+        self._last_beat = self._last_control = 0.0
+
+    def beat_soon(self) -> None:
+        """Heartbeat at the next look (back from an outage, or awake again)."""
+        self._last_beat = 0.0
+
+    def beat_if_due(self, inflight: dict[str, InFlight]) -> list[InFlight]:
+        """Heartbeat when due (:func:`beat`); the jobs found handed to another worker."""
+        interval = self.worker.job_monitoring_interval
+        if time.monotonic() - self._last_beat < interval:
+            return []
+        self._last_beat = time.monotonic()
+        return beat(self.worker, inflight, self.runner, self.ttl)
+
+    def control_if_due(self, inflight: dict[str, InFlight]) -> None:
+        """Stop cancelled and timed-out jobs when due (:func:`stop_due`)."""
+        if not inflight or time.monotonic() - self._last_control < CONTROL_INTERVAL_S:
+            return
+        self._last_control = time.monotonic()
+        stop_due(self.worker.connection, inflight, self.runner)
+
+    def woke(self, inflight: dict[str, InFlight]) -> bool:
+        """Whether this process just woke from a stop or a sleep (said in one line); its
+        next look heartbeats at once, and the MLX thread gets a fresh stall window."""
+        gap = self.awake.woke()
+        if gap is None:
+            return False
+        self.worker.log.warning(
+            "Worker %s: this process did not run for %.0fs (stopped, or its machine slept); "
+            "checking which of its %d jobs it still holds",
+            self.worker.name,
+            gap,
+            len(inflight),
+        )
+        self.beat_soon()
+        return True
+
+    def check_stall(self, inflight: dict[str, InFlight]) -> None:
+        """:func:`check_stall` with this worker's timeout, from its last wake-up on."""
+        check_stall(self.runner, inflight, self.stall_timeout, self.awake)
+
+    def step_age(self, inflight: dict[str, InFlight]) -> float | None:
+        """:func:`step_age`, from its last wake-up on."""
+        return step_age(self.runner, inflight, self.awake)

@@ -10,24 +10,29 @@ holds up the others.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import redis
 from rq.executions import Execution
 from rq.job import Job
 from rq.queue import Queue
+from rq.utils import now
 from rq.worker import BaseWorker
 
 from mlxq.broker import streams
 from mlxq.broker.eviction import ServerLimits
-from mlxq.broker.rq_store import transitions
+from mlxq.broker.rq_store import end_script, ownership, transitions
 from mlxq.broker.rq_store.ownership import Held
+from mlxq.engine.sampling import Completion
 from mlxq.wire import Result, StreamChunk, json_encoder
 from mlxq.worker.outage import refuses_writes
-from mlxq.worker.outcomes import InFlight, Written, write_results
+from mlxq.worker.outcomes import InFlight, unrun_result
 from mlxq.worker.profile import DEFAULTS
+from mlxq.worker.reporting import Reporter
+from mlxq.worker.vetting import Elsewhere, Refused, Vetted
 
 MAX_RESULT_BYTES = DEFAULTS.max_result_bytes  # the default cap on one stored result
 MIN_BULK_LEN = 1024 * 1024  # Redis's smallest proto-max-bulk-len
@@ -114,11 +119,61 @@ class Writeback:
         """Ended jobs still owed."""
         return len(self.failed) + len(self.done) + len(self.redirected)
 
-    def flush(self, worker: BaseWorker, fail: Callable[[Failure], bool]) -> list[Held]:
-        """Write everything owed; returns the jobs found handed to another worker (their late
-        results and failures are dropped). ``fail`` fails one job, False where it was not
-        held. A Redis error propagates, with what is left kept for the next try: a write
-        that landed before its reply was lost is found not held, never redone.
+    def take(
+        self,
+        completions: list[Completion],
+        inflight: dict[str, InFlight],
+        result_of: Callable[[InFlight, Completion], Result],
+    ) -> list[Result]:
+        """Move the jobs the MLX thread finished out of ``inflight`` into what is owed, with
+        their results (``result_of``; a failed generation becomes a failure to write); the
+        results, in order. No Redis here."""
+        taken = []
+        for c in completions:
+            inf = inflight.pop(c.key, None)
+            if inf is None:
+                continue
+            if inf.request.stream:
+                self.stream_ends.append((c.key, c.finish_reason))
+            result = result_of(inf, c)
+            taken.append(result)
+            if c.finish_reason == "error":
+                if result.error is None:
+                    result = msgspec.structs.replace(result, error="generation failed")
+                self.failed.append(Failure(inf.job, inf.queue, inf.execution, result))
+            else:
+                self.done.append((inf, result))
+        return taken
+
+    def owe_unrun(
+        self,
+        job: Job,
+        queue: Queue,
+        execution: Execution,
+        v: Vetted | Refused | Elsewhere,
+        held: InFlight | None,
+        model: str,
+        worker: str,
+    ) -> None:
+        """Owe the outcome of a registered job that will not run here: refused at vetting
+        (a failure), naming another model this worker serves (moved to its queue), or
+        whose batch expired (``held``: an ``expired`` result)."""
+        if isinstance(v, Elsewhere):
+            self.redirected.append(Redirect(job, queue, execution, v.queue))
+        elif isinstance(v, Refused):
+            result = transitions.result_without_output(
+                job, "error", v.error, model=model, worker=worker, prompt_tokens=v.prompt_tokens
+            )
+            self.failed.append(Failure(job, queue, execution, result, "rejected"))
+        elif held is not None:
+            why = "the batch expired before this request ran"
+            self.done.append((held, unrun_result(held, "expired", why, model, worker)))
+
+    def flush(self, worker: BaseWorker, reporter: Reporter | None = None) -> None:
+        """Write everything owed; the late results and failures of jobs found handed to
+        another worker meanwhile are dropped (said in one line, :func:`taken_over`). A Redis
+        error propagates, with what is left kept for the next try: a write that landed
+        before its reply was lost is found not held, never redone.
         """
         if self.chunks or self.stream_ends:
             streams.publish(worker.connection, self.chunks, self.stream_ends)
@@ -126,7 +181,7 @@ class Writeback:
         self._refuse_oversized()
         lost: list[Held] = list(self._write_done(worker))
         while self.failed:
-            if not _fail_one(worker, self.failed[0], fail):
+            if not _fail_one(worker, self.failed[0], reporter):
                 lost.append(self.failed[0])
             self.failed.pop(0)  # done: a Redis error in a later one keeps the rest
         if self.redirected:
@@ -141,7 +196,7 @@ class Writeback:
                     )
             lost += [r for r, ok in zip(self.redirected, moved, strict=True) if not ok]
             self.redirected = []
-        return lost
+        taken_over(worker, reporter, lost)
 
     def _refuse_oversized(self) -> None:
         """Fail, before any write, the results larger than the limit."""
@@ -203,14 +258,17 @@ def _over_bulk_limit(result: Result) -> str:
     return too_large(stored_size(result), "over its proto-max-bulk-len")
 
 
-def _fail_one(worker: BaseWorker, f: Failure, fail: Callable[[Failure], bool]) -> bool:
-    """Fail one job; False where another worker had taken it. A job whose failure Redis
+def _fail_one(worker: BaseWorker, f: Failure, reporter: Reporter | None) -> bool:
+    """Fail one job it still holds (retried if it has retries left, else ended with its
+    error result); False where another worker had taken it. A job whose failure Redis
     refuses (but not a Redis that refuses all writes) is left to the sweep, which puts it
     back once its heartbeat lapses."""
     if not f.retry:
         f.job.retries_left = 0  # RQ reads it from the job object: not written back
+    f.job.ended_at = now()
     try:
-        return fail(f)
+        if transitions.fail_or_retry(worker, f, f.result) is None:
+            return False
     except redis.ResponseError as e:
         if refuses_writes(e):
             raise
@@ -221,6 +279,27 @@ def _fail_one(worker: BaseWorker, f: Failure, fail: Callable[[Failure], bool]) -
             e,
         )
         return True
+    worker.log.warning("Worker %s: job %s failed: %s", worker.name, f.job.id, f.result.error)
+    if reporter is not None:
+        reporter.failed(f.reason)
+    return True
+
+
+def taken_over(worker: BaseWorker, reporter: Reporter | None, lost: Sequence[Held]) -> None:
+    """Say, in one line, that jobs this worker held were taken by another worker while it
+    was away (stopped, asleep or cut off past ``--abandon-after``), and count them."""
+    if not lost:
+        return
+    worker.log.warning(
+        "Worker %s: %d of its jobs were taken back while it was away (stopped, asleep or "
+        "cut off past --abandon-after) and handed on; left them to the other workers, so "
+        "none runs twice (first: %s)",
+        worker.name,
+        len(lost),
+        lost[0].job.id,
+    )
+    if reporter is not None:
+        reporter.taken_over(len(lost))
 
 
 def _answers(conn: redis.Redis) -> bool:
@@ -229,3 +308,78 @@ def _answers(conn: redis.Redis) -> bool:
         return bool(conn.ping())
     except redis.ConnectionError:
         return False
+
+
+@dataclass
+class Written:
+    """What became of results sent to Redis: the jobs this worker had lost meanwhile, and
+    the results Redis refused, each with its error (the rest were written)."""
+
+    lost: list[InFlight] = field(default_factory=list)
+    refused: list[tuple[InFlight, Result, redis.ResponseError]] = field(default_factory=list)
+
+    def add(self, other: Written) -> None:
+        """Take in the outcome of another write."""
+        self.lost += other.lost
+        self.refused += other.refused
+
+
+def write_results(worker: BaseWorker, done: list[tuple[InFlight, Result]]) -> Written:
+    """Store results of jobs this worker still holds.
+
+    Finished jobs (most) end through :mod:`~mlxq.broker.rq_store.end_script`, one script
+    call each, and Redis answers for each alone; the others through RQ's objects, in one
+    transaction, tried again job by job when Redis refuses it. A lost connection raises.
+    """
+    fast: list[tuple[InFlight, Result]] = []
+    rest: list[tuple[InFlight, Result]] = []
+    for inf, r in done:
+        (fast if end_script.applies(inf.job, r) else rest).append((inf, r))
+    endings = [end_script.Ending(inf.job, inf.queue, inf.execution, r) for inf, r in fast]
+    written = Written()
+    for (inf, r), ok in zip(fast, end_script.end_finished(worker, endings), strict=True):
+        if isinstance(ok, redis.ResponseError):
+            written.refused.append((inf, r, ok))
+        elif not ok:
+            written.lost.append(inf)
+    written.add(_write_through_rq(worker, rest))
+    return written
+
+
+def _write_through_rq(worker: BaseWorker, done: list[tuple[InFlight, Result]]) -> Written:
+    """:func:`write_results` for jobs the script does not end, through RQ's objects."""
+    if not done:
+        return Written()
+    try:
+        return Written(lost=_transaction(worker, done))
+    except redis.ResponseError as e:
+        if len(done) == 1:
+            return Written(refused=[(*done[0], e)])
+        written = Written()  # one bad job fails the transaction: find it
+        for item in done:
+            written.add(_write_through_rq(worker, [item]))
+        return written
+
+
+def _transaction(worker: BaseWorker, done: list[tuple[InFlight, Result]]) -> list[InFlight]:
+    """Write ``done`` in one transaction, for the jobs still held; the jobs found lost."""
+    results = {id(inf): result for inf, result in done}
+
+    def write(pipe: Any, inf: InFlight) -> None:
+        transitions.end_job(
+            pipe,
+            inf.job,
+            inf.queue,
+            results[id(inf)],
+            worker=worker,
+            execution=inf.execution,
+            count=False,
+        )
+
+    def count(pipe: Any, ended: list[InFlight]) -> None:
+        statuses = [(inf.job, inf.job.get_status(refresh=False)) for inf in ended]
+        transitions.count_ended(pipe, worker, statuses)
+
+    infs = [inf for inf, _ in done]
+    held = ownership.write_if_held(worker.connection, infs, write, count)
+    return [inf for inf, ok in zip(infs, held, strict=True) if not ok]
