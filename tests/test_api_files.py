@@ -31,8 +31,8 @@ from api_servers import (
 )
 from click.testing import CliRunner
 
-from mlxq.api import api_command
 from mlxq.api import redis_keys as rk
+from mlxq.cli.api import api_command
 
 
 def test_files_round_trip(client, conn):

@@ -18,8 +18,8 @@ from api_servers import (
 )
 from click.testing import CliRunner
 
-from mlxq.api import api_command
 from mlxq.api.auth import load_key_roles
+from mlxq.cli.api import api_command
 
 
 def test_a_key_sees_only_its_own_files_and_batches(client, ports, conn, tiny_model):

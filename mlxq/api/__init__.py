@@ -1,14 +1,10 @@
-"""OpenAI-compatible Batch HTTP API for mlxq (``mlxq api``).
+"""OpenAI-compatible Batch HTTP API for mlxq (``mlxq api``) and the live dashboard.
 
-Modules: ``app`` (routes, error responses, background sweep), ``auth`` (bearer keys),
-``uploads`` (multipart with limits), ``store`` (files and batch records in Redis),
-``batches`` (lifecycle: validate, submit, progress, cancel, expire), ``cancel``
-(cancelling queued RQ jobs), ``validation`` (input files), ``finalize`` (output and error
-files), ``mlxq.formats.openai_output`` (Result → OpenAI output line), ``models``
-(``/v1/models`` from live workers), ``objects`` (wire objects), ``redis_keys`` and
-``command`` (the click command).
+Modules: ``app`` (routes, error responses, background sweep), ``serving`` (uvicorn, with
+idle and slow connections closed), ``auth`` (bearer keys), ``uploads`` (multipart with
+limits), ``store`` and ``redis_keys`` (files and batch records in Redis), ``batches``
+(lifecycle: validate, submit, progress, cancel, expire), ``validation`` (input files),
+``finalize`` (output and error files), ``models`` (``/v1/models``), ``objects`` and
+``errors`` (wire objects), ``dashboard`` and its ``dashboard_*`` parts. The ``mlxq api``
+command itself is :mod:`mlxq.cli.api`.
 """
-
-from mlxq.api.command import api_command
-
-__all__ = ["api_command"]

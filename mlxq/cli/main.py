@@ -9,7 +9,7 @@ import traceback
 
 import click
 
-from mlxq.api import api_command
+from mlxq.cli.api import api_command
 from mlxq.cli.control import cancel, retry
 from mlxq.cli.dashboard import dashboard
 from mlxq.cli.fleet import workers
