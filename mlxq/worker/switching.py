@@ -25,11 +25,22 @@ import redis
 from mlxq.broker.rq_store import lanes
 from mlxq.errors import one_line
 from mlxq.wire import ModelInfo
+from mlxq.worker.config import WorkerConfig
 from mlxq.worker.model_choice import ModelChoice, Switch
 
 if TYPE_CHECKING:
-    from mlxq.worker.launch import Setup
     from mlxq.worker.reporting import Reporter
+
+
+class Loader(Protocol):
+    """What builds the next model's engine (the launcher's ``Setup``): its configuration
+    is the loaded model's once a switch is done."""
+
+    config: WorkerConfig | None
+
+    def switch_to(self, model: str) -> Future[ModelInfo]:
+        """Build ``model``'s engine on the MLX thread, in place of the running one."""
+        ...
 
 
 class Host(Protocol):
@@ -61,7 +72,7 @@ class ModelSwitcher:
     """Which model a worker of several runs, and the switches between them."""
 
     def __init__(
-        self, setup: Setup, queues: dict[str, tuple[str, ...]], min_seconds: float
+        self, setup: Loader, queues: dict[str, tuple[str, ...]], min_seconds: float
     ) -> None:
         """``queues``: the queues each model pulls from when loaded (``queues_by_model``);
         the first loaded model is ``setup.config``'s."""
