@@ -1,4 +1,4 @@
-"""One decode step at a full batch: the attention paths side by side (issue 14).
+"""One decode step at a full batch: the attention paths side by side.
 
 For each cache length, the same model runs one decode step of ``--rows`` rows (one new
 token each, every row at that length) through:

@@ -1,4 +1,4 @@
-"""mlxq's greedy continuations on a GGUF next to llama.cpp's own on the same file (issue 27).
+"""mlxq's greedy continuations on a GGUF next to llama.cpp's own on the same file.
 
 For each prompt (plain questions through the file's chat template, encoded once by mlxq
 and passed as the same token ids to both sides), both generate greedily; the table says how

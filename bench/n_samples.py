@@ -1,4 +1,4 @@
-"""``n`` samples per request against the same samples as separate submissions (issue 29).
+"""``n`` samples per request against the same samples as separate submissions.
 
 One in-memory slot engine per mode on the same random-weight model (no Redis: the saving
 is an engine matter), admitting jobs as the worker's scheduler does (a row per sample, up

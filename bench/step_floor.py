@@ -1,4 +1,4 @@
-"""Where a wide decode step's device time goes, and its floor (issue 29's H200 target).
+"""Where a wide decode step's device time goes, and its floor (and the bound it sets on any batch).
 
 For each ``--rows``, one decode step of the preset's shape is cut into its parts, each
 timed alone on the device (random bf16 weights and cache; the median of ``--repeat``
@@ -110,7 +110,7 @@ def engine_step(
     from mlxq.engine.models.fused_projections import fuse_projections
     from mlxq.engine.slots.attention import KERNELS
     from mlxq.engine.slots.cache import SlotCache
-    from mlxq.engine.slots.decode import CompiledForward
+    from mlxq.engine.slots.compiled import CompiledForward
 
     mlx_lm_seam.install(model)
     fuse_projections(model, fused_projections.wanted(backend_name()))  # (as the engine runs)

@@ -125,7 +125,7 @@ def test_n_samples_runs_each_mode_on_both_cases(tmp_path: Path) -> None:
 
 
 def test_real_model_agreement_and_long_prompt_memory_run(tiny_model: str) -> None:
-    """The scripts behind issue 31's figures, small, on the tiny model's folder."""
+    """The scripts behind the CPU figures in bench/RESULTS.md, small, on the tiny model's folder."""
     small = ("--requests", "6", "--max-tokens", "6", "--reference", "2")
     agree = run_script("bench/real_model_agreement.py", "--model", tiny_model, *small)
     got = json.loads(agree.stdout.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-"""The lines a newcomer read that misled them (issue 28, "Misleading lines"), each run as
+"""The lines a newcomer read that misled them, each run as
 the user ran it: ``python -m mlxq ...`` against a real Valkey."""
 
 from __future__ import annotations

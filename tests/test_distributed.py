@@ -1,4 +1,4 @@
-"""One worker over several processes (issue 30), on this machine over MLX's ring backend on
+"""One worker over several processes, on this machine over MLX's ring backend on
 localhost, the model split by heads (tensor parallel, engines in lockstep) or by layers
 (pipeline parallel, micro-batches in flight): both give the one-process tokens; sampling
 draws the same on every rank; a killed rank puts the jobs back; a rank that cannot start

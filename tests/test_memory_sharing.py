@@ -1,4 +1,4 @@
-"""Two workers on one machine (issue 28, item 4): the second sees the first through Redis
+"""Two workers on one machine: the second sees the first through Redis
 and sizes its memory from what is left, or refuses in one line."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One file, many models: each line goes to its model's queue, a batch's status counts each
 model, results come back in input order across models, and lines for a model nobody serves
-are named at submit (issue 29 item 1)."""
+are named at submit."""
 
 from __future__ import annotations
 

@@ -139,8 +139,8 @@ KV_1B = 32 * 1024  # Llama-3.2-1B: 16 layers x 8 KV heads x 64 x (K, V) x bf16
 
 def test_memory_decides_the_batch_only_where_it_holds_fewer_short_jobs_than_the_ceiling():
     # 8B-class on an H200: ~81 GiB of KV holds 320 jobs of 2,048 tokens but 2,592 of 256:
-    # the ceiling decides, and admission goes by the jobs' real lengths (issue 29: 1,024
-    # rows ran 1.10x the 325 that planning every job at 2,048 tokens chose).
+    # the ceiling decides, and admission goes by the jobs' real lengths (1,024 rows ran
+    # 1.10x the 325 that planning every job at 2,048 tokens chose: bench/RESULTS.md).
     choice = choose_batch(81 * GIB, 128 * 1024, "cuda")
     assert (choice.size, choice.limit) == (1024, "backend ceiling")
     assert "holds 320 jobs of 2,048 tokens, 2,592 of 256" in choice.why
@@ -165,7 +165,8 @@ def test_the_backends_ceiling_caps_what_memory_would_hold():
     assert choose_batch(93 * GIB, KV_1B, "metal").size == BATCH_CEILING["metal"]
     assert choose_batch(93 * GIB, KV_1B, "cpu").size == BATCH_CEILING["cpu"]
     assert choose_batch(93 * GIB, KV_1B, "tpu").size == BATCH_CEILING["cpu"]  # unknown: cpu's
-    # The ceilings: the widest measured gain on CUDA (issue 29); each wider than the CPU's.
+    # The ceilings: the widest measured gain on CUDA (bench/RESULTS.md); each wider than
+    # the CPU's.
     assert BATCH_CEILING["cuda"] >= 1024 > 256
     assert BATCH_CEILING["cpu"] < BATCH_CEILING["metal"] < BATCH_CEILING["cuda"]
 
