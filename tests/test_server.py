@@ -219,3 +219,28 @@ def test_the_watchdog_stops_the_child_of_a_killed_parent(tmp_path):
     assert _alive(kept)  # a released watch signals nothing
     os.kill(kept, signal.SIGKILL)
     assert orphans.watch(os.getpid()) is None or not sys.platform.startswith("linux")
+
+
+def test_a_port_taken_before_valkey_binds_it_is_given_up_for_another(monkeypatch, tmp_path):
+    """Another process takes the free port found for the server before Valkey binds it (two
+    test sessions, or two `mlxq run`s, starting at once): it starts on another."""
+    import socket
+
+    import mlxq.server
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    found = mlxq.server.get_port_or_find_free
+    monkeypatch.setattr(
+        mlxq.server, "get_port_or_find_free", lambda p, h: next(ports, None) or found(p, h)
+    )
+    server = mlxq.server.make_server(data_dir=tmp_path)
+    server.start()
+    try:
+        assert server.port != taken.getsockname()[1]
+        assert redis.Redis.from_url(server.connection_url).ping()
+    finally:
+        server.stop()
+        taken.close()
