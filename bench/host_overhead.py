@@ -84,7 +84,7 @@ def run(model: Any, tokenizer: Any, rows: int, args: argparse.Namespace) -> dict
         while queued and engine.active < rows + rows // 8:
             i, request = queued.pop()
             assert engine.add(EngineJob(f"j{i}", request)) is None
-        decoding, joins[0] = len(engine._rows), 0.0
+        decoding, joins[0] = len(engine.batch.rows), 0.0
         tic = time.thread_time()
         finished += len(engine.step())
         host = time.thread_time() - tic - joins[0]

@@ -3,7 +3,7 @@
 A constrained step samples after its model's part, in a launch of its own, once the mask
 helper has filled the step's masks; a free step's sampling rides in its model's launch.
 This times that launch for ``--rows`` rows of ``--vocab``-wide logits already on the
-device, built as the slot engine builds it (``slot_decode.sample`` with a hook that
+device, built as the slot engine builds it (``slot_step.sample`` with a hook that
 applies a table of ``--distinct`` masks through ``DeviceMasks``, as
 ``ConstraintBatch.process`` does when every row's mask is prepared):
 
@@ -52,7 +52,7 @@ def builders(rows: int, vocab: int, distinct: int) -> dict[str, Callable[[Any], 
     from mlx_lm.sample_utils import make_sampler
 
     from mlxq.engine.constraints.device_masks import DeviceMasks
-    from mlxq.engine.slots.decode import Row, sample
+    from mlxq.engine.slots.step import Row, sample
 
     rng = np.random.default_rng(0)
     words = (vocab + 31) // 32

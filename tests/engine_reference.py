@@ -9,7 +9,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
-from mlxq.engine.mlx_lm_batch import Completion, Engine, EngineJob
+from mlxq.engine.mlx_lm_batch import BatchGeneratorEngine, Completion, EngineJob
 from mlxq.wire import Message, Request
 
 REQUESTS = [
@@ -44,7 +44,9 @@ def reference(model, tokenizer, tokens: list[int], request: Request) -> dict[str
     return {"tokens": out, "logprobs": logprobs, "text": text}
 
 
-def run_all(engine: Engine, jobs: dict[str, Request], join_every: int = 0) -> dict[str, Completion]:
+def run_all(
+    engine: BatchGeneratorEngine, jobs: dict[str, Request], join_every: int = 0
+) -> dict[str, Completion]:
     """Run jobs to completion; with ``join_every``, admit one job every that many steps."""
     pending = list(jobs.items())
     done: dict[str, Completion] = {}
@@ -63,7 +65,9 @@ def run_all(engine: Engine, jobs: dict[str, Request], join_every: int = 0) -> di
     return done
 
 
-def check_against_reference(tiny, engine: Engine, done: dict[str, Completion]) -> None:
+def check_against_reference(
+    tiny, engine: BatchGeneratorEngine, done: dict[str, Completion]
+) -> None:
     """Each of REQUESTS (job keys "0", "1", ...) equals mlx-lm's greedy reference."""
     model, tokenizer = tiny
     for i, request in enumerate(REQUESTS):

@@ -17,7 +17,7 @@ from mlx_lm.generate import generate_step
 
 from mlxq.engine.constraints.batch import ConstraintBatch, Grammars, make_lltokenizer
 from mlxq.engine.constraints.slot_hook import ConstraintHook
-from mlxq.engine.mlx_lm_batch import Completion, Engine, EngineJob
+from mlxq.engine.mlx_lm_batch import BatchGeneratorEngine, Completion, EngineJob
 from mlxq.formats.constraints import grammar_of
 from mlxq.wire import (
     GrammarFormat,
@@ -93,7 +93,9 @@ def constrained_reference(tiny, tokens: list[int], request: Request) -> list[int
     return out
 
 
-def run_jobs(engine: Engine, jobs: dict[str, Request], join_every: int = 0) -> dict[str, Any]:
+def run_jobs(
+    engine: BatchGeneratorEngine, jobs: dict[str, Request], join_every: int = 0
+) -> dict[str, Any]:
     pending, done, steps = list(jobs.items()), {}, 0
     while pending or engine.active:
         while pending and (not join_every or steps % join_every == 0 or not engine.active):
@@ -108,8 +110,8 @@ def run_jobs(engine: Engine, jobs: dict[str, Request], join_every: int = 0) -> d
 
 
 @pytest.fixture
-def engine(tiny) -> Engine:
-    return Engine.from_loaded(*tiny, "tiny", max_batch=8)
+def engine(tiny) -> BatchGeneratorEngine:
+    return BatchGeneratorEngine.from_loaded(*tiny, "tiny", max_batch=8)
 
 
 # -- at submit ----------------------------------------------------------------------------
@@ -357,7 +359,9 @@ def test_hook_protocol_for_engines_that_process_the_whole_batch(tiny):
 
 def test_constrained_jobs_start_from_a_cached_prefix(tiny):
     """With the prefix cache, constrained greedy output is still the single-request one."""
-    engine = Engine.from_loaded(*tiny, "tiny", max_batch=8, prefix_cache_bytes=1 << 24)
+    engine = BatchGeneratorEngine.from_loaded(
+        *tiny, "tiny", max_batch=8, prefix_cache_bytes=1 << 24
+    )
     shared = "You label reviews. Answer with JSON only. " * 4
     jobs = {
         f"r{i}": Request(prompt=shared + f"Review {i}:", max_tokens=120, response_format=SCHEMA)

@@ -358,7 +358,7 @@ def test_a_lost_peer_is_the_workers_fault_not_the_jobs():
     """The slot engine fails a batch whose step raised, except where a collective lost its
     peer: that is raised, so the worker puts the jobs back (the killed-rank test, when the
     rank dies inside a step's all_sum)."""
-    from mlxq.engine.distributed.channel import peer_lost
+    from mlxq.engine.faults import peer_lost
 
     assert peer_lost(RuntimeError("[ring] connection to a peer was lost"))
     assert peer_lost(RuntimeError("[jaccl] Send failed"))

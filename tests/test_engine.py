@@ -1,4 +1,4 @@
-"""Engine: continuous batching over mlx-lm's BatchGenerator, checked against mlx-lm."""
+"""BatchGeneratorEngine: continuous batching over mlx-lm's BatchGenerator, against mlx-lm."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ import pytest
 from engine_reference import REQUESTS, FlakyModel, check_against_reference, reference, run_all
 from mlx_lm.utils import load_tokenizer
 
-from mlxq.engine.mlx_lm_batch import Engine, EngineJob, JobInputError
+from mlxq.engine.mlx_lm_batch import BatchGeneratorEngine, EngineJob, JobInputError
 from mlxq.wire import Message, Request
 
 
 @pytest.fixture
-def engine(tiny) -> Engine:
+def engine(tiny) -> BatchGeneratorEngine:
     model, tokenizer = tiny
-    return Engine.from_loaded(model, tokenizer, "tiny")
+    return BatchGeneratorEngine.from_loaded(model, tokenizer, "tiny")
 
 
-def test_batched_greedy_equals_single_requests(tiny, engine: Engine) -> None:
+def test_batched_greedy_equals_single_requests(tiny, engine: BatchGeneratorEngine) -> None:
     done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)})
     check_against_reference(tiny, engine, done)
     assert len({tuple(c.token_ids) for c in done.values()}) == len(REQUESTS)
@@ -38,7 +38,7 @@ def test_jobs_joining_mid_run_equal_single_requests(
     tiny, max_batch: int, prefill_batch: int, prefill_step: int, join_every: int
 ) -> None:
     model, tokenizer = tiny
-    engine = Engine.from_loaded(
+    engine = BatchGeneratorEngine.from_loaded(
         model,
         tokenizer,
         "tiny",
@@ -51,7 +51,7 @@ def test_jobs_joining_mid_run_equal_single_requests(
 
 
 def test_engine_loads_a_folder(tiny_model_dir: Path, tiny) -> None:
-    engine = Engine(str(tiny_model_dir), max_batch=4)
+    engine = BatchGeneratorEngine(str(tiny_model_dir), max_batch=4)
     assert engine.info.name == str(tiny_model_dir)
     done = run_all(engine, {"0": REQUESTS[0]})
     model, tokenizer = tiny
@@ -60,7 +60,7 @@ def test_engine_loads_a_folder(tiny_model_dir: Path, tiny) -> None:
     engine.close()
 
 
-def test_model_info(engine: Engine) -> None:
+def test_model_info(engine: BatchGeneratorEngine) -> None:
     info = engine.info
     assert (info.model_type, info.num_layers, info.hidden_size) == ("llama", 2, 64)
     assert (info.num_kv_heads, info.head_dim, info.vocab_size) == (2, 16, 512)
@@ -70,7 +70,7 @@ def test_model_info(engine: Engine) -> None:
     assert info.param_bytes == params * 4
 
 
-def test_encode(engine: Engine) -> None:
+def test_encode(engine: BatchGeneratorEngine) -> None:
     tokenizer = engine.tokenizer
     text = engine.encode(Request(prompt="The capital"))
     assert text == tokenizer.encode("The capital") and text.count(tokenizer.bos_token_id) == 1
@@ -81,7 +81,7 @@ def test_encode(engine: Engine) -> None:
     assert chat == tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
-def test_stop_strings_truncate_text(engine: Engine) -> None:
+def test_stop_strings_truncate_text(engine: BatchGeneratorEngine) -> None:
     request = Request(prompt="The capital of France is", max_tokens=20)
     full = run_all(engine, {"full": request})["full"]
     assert full.finish_reason == "length" and len(full.token_ids) == 20
@@ -113,14 +113,14 @@ def test_eos_ends_a_job_and_is_not_output(tiny, tiny_model_dir: Path) -> None:
     eos = ref[5]
     cut = ref.index(eos)
     eos_tokenizer = load_tokenizer(tiny_model_dir, eos_token_ids=[eos])
-    engine = Engine.from_loaded(model, eos_tokenizer, "tiny")
+    engine = BatchGeneratorEngine.from_loaded(model, eos_tokenizer, "tiny")
     done = run_all(engine, {"a": request, "b": Request(prompt=[7, 8, 9], max_tokens=5)})
     assert done["a"].finish_reason == "stop"
     assert done["a"].token_ids == ref[:cut]
     assert eos not in done["a"].token_ids
 
 
-def test_max_tokens_gives_length(engine: Engine) -> None:
+def test_max_tokens_gives_length(engine: BatchGeneratorEngine) -> None:
     done = run_all(engine, {"a": Request(prompt=[1, 2, 3], max_tokens=1)})
     assert done["a"].finish_reason == "length" and len(done["a"].token_ids) == 1
 
@@ -131,7 +131,7 @@ def test_seeded_sampling_is_reproducible_across_batches(tiny) -> None:
     def sampled(seed: int, **kw: Any) -> Request:
         return Request(prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=seed, **kw)
 
-    alone = run_all(Engine.from_loaded(model, tokenizer, "t"), {"s": sampled(7)})["s"]
+    alone = run_all(BatchGeneratorEngine.from_loaded(model, tokenizer, "t"), {"s": sampled(7)})["s"]
     crowd = {
         "g": Request(prompt="The capital of France is", max_tokens=20),
         "x": sampled(8),
@@ -139,17 +139,17 @@ def test_seeded_sampling_is_reproducible_across_batches(tiny) -> None:
         "s": sampled(7),
         "y": sampled(7, top_p=0.9, top_k=50, min_p=0.05),
     }
-    engine = Engine.from_loaded(model, tokenizer, "t", max_batch=3, prefill_step=3)
+    engine = BatchGeneratorEngine.from_loaded(model, tokenizer, "t", max_batch=3, prefill_step=3)
     mixed = run_all(engine, crowd, join_every=2)
     assert mixed["s"].token_ids == alone.token_ids
     assert mixed["x"].token_ids != alone.token_ids  # the seed matters
     greedy = reference(model, tokenizer, tokenizer.encode("Once upon a time"), sampled(7))
     assert alone.token_ids != greedy["tokens"]  # it really sampled
-    again = run_all(Engine.from_loaded(model, tokenizer, "t"), {"y": crowd["y"]})
+    again = run_all(BatchGeneratorEngine.from_loaded(model, tokenizer, "t"), {"y": crowd["y"]})
     assert again["y"].token_ids == mixed["y"].token_ids
 
 
-def test_logprobs(tiny, engine: Engine) -> None:
+def test_logprobs(tiny, engine: BatchGeneratorEngine) -> None:
     model, tokenizer = tiny
     jobs = {
         "three": Request(prompt="The capital of France is", max_tokens=8, logprobs=3),
@@ -172,7 +172,7 @@ def test_logprobs(tiny, engine: Engine) -> None:
         assert [t.token_id for t in token_lp.top] == best
 
 
-def test_repetition_penalty_matches_mlx_lm(tiny, engine: Engine) -> None:
+def test_repetition_penalty_matches_mlx_lm(tiny, engine: BatchGeneratorEngine) -> None:
     model, tokenizer = tiny
     request = Request(prompt="Once upon a time", max_tokens=24, repetition_penalty=1.8)
     done = run_all(engine, {"p": request, "g": Request(prompt=[9, 9], max_tokens=20)})
@@ -182,7 +182,7 @@ def test_repetition_penalty_matches_mlx_lm(tiny, engine: Engine) -> None:
     assert ref != plain["tokens"]
 
 
-def test_bad_requests_fail_alone(tiny, engine: Engine) -> None:
+def test_bad_requests_fail_alone(tiny, engine: BatchGeneratorEngine) -> None:
     jobs = {str(i): r for i, r in enumerate(REQUESTS)}
     jobs["bad-id"] = Request(prompt=[5, 99999, 6])
     jobs["too-long"] = Request(prompt=[5] * 2040, max_tokens=16)
@@ -201,14 +201,16 @@ def test_messages_without_chat_template(tiny, tiny_model_dir: Path) -> None:
     model, _ = tiny
     tokenizer = load_tokenizer(tiny_model_dir)
     tokenizer.has_chat_template = False
-    engine = Engine.from_loaded(model, tokenizer, "plain")
+    engine = BatchGeneratorEngine.from_loaded(model, tokenizer, "plain")
     failed = engine.add(EngineJob("m", Request(messages=[Message("user", "hi")])))
     assert failed is not None and failed.finish_reason == "error"
     assert "chat template" in failed.error and "prompt" in failed.error
     assert engine.active == 0
 
 
-def test_insert_exception_fails_alone(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_insert_exception_fails_alone(
+    engine: BatchGeneratorEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     engine.add(EngineJob("ok", Request(prompt=[1, 2, 3], max_tokens=4)))
     real_insert = engine._gen.insert_segments
 
@@ -223,7 +225,7 @@ def test_insert_exception_fails_alone(engine: Engine, monkeypatch: pytest.Monkey
     assert done["ok"].finish_reason == "length" and engine.active == 0
 
 
-def test_duplicate_key_is_refused(engine: Engine) -> None:
+def test_duplicate_key_is_refused(engine: BatchGeneratorEngine) -> None:
     engine.add(EngineJob("k", Request(prompt=[1, 2])))
     with pytest.raises(ValueError, match="already"):
         engine.add(EngineJob("k", Request(prompt=[1, 2])))
@@ -242,7 +244,7 @@ def test_duplicate_key_is_refused(engine: Engine) -> None:
     engine.add(EngineJob("k", Request(prompt=[1, 2])))  # and once it finished
 
 
-def test_cancel(tiny, engine: Engine) -> None:
+def test_cancel(tiny, engine: BatchGeneratorEngine) -> None:
     model, tokenizer = tiny
     engine.add(EngineJob("a", REQUESTS[0]))
     engine.add(EngineJob("b", REQUESTS[2]))
@@ -268,7 +270,9 @@ def test_cancel(tiny, engine: Engine) -> None:
 
 def test_cancel_during_prefill(tiny) -> None:
     model, tokenizer = tiny
-    engine = Engine.from_loaded(model, tokenizer, "tiny", prefill_batch=2, prefill_step=8)
+    engine = BatchGeneratorEngine.from_loaded(
+        model, tokenizer, "tiny", prefill_batch=2, prefill_step=8
+    )
     engine.add(EngineJob("long", REQUESTS[3]))  # 80 prompt tokens: ten prefill chunks
     engine.add(EngineJob("short", REQUESTS[2]))
     for _ in range(3):
@@ -285,7 +289,9 @@ def test_cancel_during_prefill(tiny) -> None:
 def test_model_error_fails_the_batch_and_engine_recovers(tiny) -> None:
     model, tokenizer = tiny
     flaky = FlakyModel(model)
-    engine = Engine.from_loaded(flaky, tokenizer, "tiny", max_batch=2, prefill_batch=2)
+    engine = BatchGeneratorEngine.from_loaded(
+        flaky, tokenizer, "tiny", max_batch=2, prefill_batch=2
+    )
     for i in range(3):
         engine.add(EngineJob(str(i), REQUESTS[i]))
     engine.step()
@@ -305,14 +311,14 @@ def test_model_error_fails_the_batch_and_engine_recovers(tiny) -> None:
         assert done[key].token_ids == ref
 
 
-def test_timing_fields(engine: Engine) -> None:
+def test_timing_fields(engine: BatchGeneratorEngine) -> None:
     done = run_all(engine, {"a": Request(prompt=[1, 2, 3], max_tokens=5)})["a"]
     assert done.admitted_at <= done.first_token_at <= done.finished_at
     assert done.prefill_seconds == pytest.approx(done.first_token_at - done.admitted_at)
     assert done.decode_seconds is not None and done.decode_seconds >= 0
 
 
-def test_warmup_leaves_nothing_behind(engine: Engine) -> None:
+def test_warmup_leaves_nothing_behind(engine: BatchGeneratorEngine) -> None:
     engine.warmup()
     assert engine.active == 0
     done = run_all(engine, {"a": Request(prompt=[1, 2, 3], max_tokens=3)})
@@ -320,7 +326,7 @@ def test_warmup_leaves_nothing_behind(engine: Engine) -> None:
     assert engine.step() == []
 
 
-def test_stats_count_prompt_and_generated_tokens(engine: Engine) -> None:
+def test_stats_count_prompt_and_generated_tokens(engine: BatchGeneratorEngine) -> None:
     jobs = {"a": Request(prompt=[1, 2, 3, 4], max_tokens=5), "b": REQUESTS[3]}
     done = run_all(engine, jobs)
     stats = engine.stats()
@@ -342,7 +348,7 @@ class SlidingWindowModel(FlakyModel):
 
 def test_prefix_cache_needs_plain_kv_caches(tiny, caplog: pytest.LogCaptureFixture) -> None:
     model, tokenizer = tiny
-    engine = Engine.from_loaded(
+    engine = BatchGeneratorEngine.from_loaded(
         SlidingWindowModel(model), tokenizer, "sliding", prefix_cache_bytes=1 << 20
     )
     assert "prefix cache off" in caplog.text

@@ -1,4 +1,5 @@
-"""LoRA adapters: an Engine given ``adapter_path`` generates what mlx-lm does with it."""
+"""LoRA adapters: a BatchGeneratorEngine given ``adapter_path`` generates what mlx-lm does
+with it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from engine_reference import reference, run_all
 from mlx.utils import tree_flatten
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from mlxq.engine.mlx_lm_batch import Engine
+from mlxq.engine.mlx_lm_batch import BatchGeneratorEngine
 from mlxq.wire import Request
 
 LORA_KEYS = ["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"]
@@ -75,7 +76,7 @@ def test_adapter_files(adapter: Path) -> None:
 def test_engine_with_adapter_equals_mlx_lm(
     tiny_model_dir: Path, tiny: Any, adapter: Path, prefix_cache_bytes: int
 ) -> None:
-    engine = Engine(
+    engine = BatchGeneratorEngine(
         str(tiny_model_dir), adapter_path=str(adapter), prefix_cache_bytes=prefix_cache_bytes
     )
     done = run_all(engine, dict(JOBS))
@@ -88,6 +89,6 @@ def test_engine_with_adapter_equals_mlx_lm(
         assert done[key].token_ids == with_adapter, key
         changed += with_adapter != reference(base_model, tokenizer, tokens, request)["tokens"]
     assert changed == len(JOBS)  # the adapter changes every output
-    plain = run_all(Engine(str(tiny_model_dir)), dict(JOBS))
+    plain = run_all(BatchGeneratorEngine(str(tiny_model_dir)), dict(JOBS))
     assert all(plain[k].token_ids != done[k].token_ids for k in JOBS)
     engine.close()

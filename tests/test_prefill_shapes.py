@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlxq.engine.slots.prefill_shapes import bucket_rows, bucket_tokens, group_rows
+from mlxq.engine.slots.buckets import bucket_rows, bucket_tokens, group_rows
 
 
 def test_rows_round_to_powers_of_two_then_multiples_of_32() -> None:

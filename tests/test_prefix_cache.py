@@ -10,8 +10,8 @@ import pytest
 from engine_reference import FlakyModel, reference, run_all
 from mlx_lm.models.cache import KVCache
 
-from mlxq.engine.mlx_lm_batch import Completion, Engine, EngineJob
-from mlxq.engine.slots.prefix_cache import DEFAULT_BLOCK, PrefixCache
+from mlxq.engine.mlx_lm_batch import BatchGeneratorEngine, Completion, EngineJob
+from mlxq.engine.prefix_cache import DEFAULT_BLOCK, PrefixCache
 from mlxq.wire import Request
 
 # -- bookkeeping, no model: blocks of 4 tokens, payloads are labels of 100 bytes ----------
@@ -223,7 +223,7 @@ def shared_jobs() -> dict[str, Request]:
 
 
 def check_reference(
-    tiny: Any, engine: Engine, jobs: dict[str, Request], done: dict[str, Completion]
+    tiny: Any, engine: BatchGeneratorEngine, jobs: dict[str, Request], done: dict[str, Completion]
 ) -> None:
     model, tokenizer = tiny
     for key, request in jobs.items():
@@ -242,8 +242,10 @@ def test_greedy_with_reuse_equals_without_and_mlx_lm(
     model, tokenizer = tiny
     jobs = shared_jobs()
     sizes = {"max_batch": max_batch, "prefill_batch": prefill_batch, "prefill_step": prefill_step}
-    plain = Engine.from_loaded(model, tokenizer, "tiny", **sizes)
-    reuse = Engine.from_loaded(model, tokenizer, "tiny", prefix_cache_bytes=1 << 24, **sizes)
+    plain = BatchGeneratorEngine.from_loaded(model, tokenizer, "tiny", **sizes)
+    reuse = BatchGeneratorEngine.from_loaded(
+        model, tokenizer, "tiny", prefix_cache_bytes=1 << 24, **sizes
+    )
     without = run_all(plain, jobs, join_every)
     with_reuse = run_all(reuse, jobs, join_every)
     for key in jobs:
@@ -261,7 +263,7 @@ def test_a_burst_prefills_the_shared_prefix_once(tiny: Any) -> None:
     model, tokenizer = tiny
     jobs = shared_jobs()
     assert DEFAULT_BLOCK == BLOCK  # the figures below count the engine's blocks
-    engine = Engine.from_loaded(model, tokenizer, "tiny", prefix_cache_bytes=1 << 24)
+    engine = BatchGeneratorEngine.from_loaded(model, tokenizer, "tiny", prefix_cache_bytes=1 << 24)
     done = run_all(engine, jobs)  # all admitted before the first step
     check_reference(tiny, engine, jobs, done)
     sharing = {k: r.prompt for k, r in jobs.items() if k not in ("other", "s0")}
@@ -282,7 +284,7 @@ def test_a_burst_prefills_the_shared_prefix_once(tiny: Any) -> None:
 
 def test_cancelled_producer_lets_waiting_jobs_run(tiny: Any) -> None:
     model, tokenizer = tiny
-    engine = Engine.from_loaded(
+    engine = BatchGeneratorEngine.from_loaded(
         model, tokenizer, "tiny", prefill_step=16, prefix_cache_bytes=1 << 24
     )
     jobs = shared_jobs()
@@ -303,7 +305,9 @@ def test_cancelled_producer_lets_waiting_jobs_run(tiny: Any) -> None:
 def test_cache_bytes_stay_bounded(tiny: Any) -> None:
     model, tokenizer = tiny
     per_block = BLOCK * 512  # the tiny model's KV: 512 bytes a token
-    engine = Engine.from_loaded(model, tokenizer, "tiny", prefix_cache_bytes=28 * per_block)
+    engine = BatchGeneratorEngine.from_loaded(
+        model, tokenizer, "tiny", prefix_cache_bytes=28 * per_block
+    )
     rng = random.Random(5)
     jobs = {}
     for family in range(3):  # three prefixes of 20 blocks each: room for one and a bit
@@ -322,7 +326,7 @@ def test_cache_bytes_stay_bounded(tiny: Any) -> None:
 def test_model_error_with_prefix_cache_recovers(tiny: Any) -> None:
     model, tokenizer = tiny
     flaky = FlakyModel(model)
-    engine = Engine.from_loaded(
+    engine = BatchGeneratorEngine.from_loaded(
         flaky,
         tokenizer,
         "tiny",
@@ -347,7 +351,7 @@ def test_model_error_with_prefix_cache_recovers(tiny: Any) -> None:
 
 
 def test_engine_loads_with_a_prefix_cache(tiny_model_dir: Any, tiny: Any) -> None:
-    engine = Engine(str(tiny_model_dir), prefix_cache_bytes=1 << 20)
+    engine = BatchGeneratorEngine(str(tiny_model_dir), prefix_cache_bytes=1 << 20)
     jobs = {k: r for k, r in shared_jobs().items() if k in ("s0", "s1")}
     done = run_all(engine, jobs)
     check_reference(tiny, engine, jobs, done)

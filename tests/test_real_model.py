@@ -16,7 +16,7 @@ from engine_reference import run_all as run
 from real_model import smollm, smollm_gguf  # noqa: F401 - fixtures
 from test_constraints import PERSON, REGEX
 
-from mlxq.broker import batches as q
+from mlxq.broker import batches
 from mlxq.broker.keys import queue_name_for_model
 from mlxq.client import Client
 from mlxq.engine.factory import make_engine
@@ -162,8 +162,8 @@ def test_mlxq_worker_on_the_gguf_streams_clean_non_ascii_and_refuses_an_overlong
     requests.append(Request(prompt=[28] * 8185, max_tokens=16))  # 8,201 > 8,192 tokens
     queue = queue_name_for_model(smollm_gguf)
     assert queue == "SmolLM2-135M-Instruct.Q4_1"
-    info = q.submit(conn, requests, queue=queue)
-    *streamed, cut, overlong = q.batch_job_ids(conn, info.batch_id)
+    info = batches.submit(conn, requests, queue=queue)
+    *streamed, cut, overlong = batches.batch_job_ids(conn, info.batch_id)
     # As `mlxq worker --model <gguf>` runs: its queues are the file's stem and default.
     worker = run_worker(WorkerProfile(model=smollm_gguf, max_batch=4), conn, burst=True)
     assert queue in worker.queue_names()
@@ -195,12 +195,12 @@ def test_rows_sorted_often_keep_mlx_lm_s_tokens(smollm, monkeypatch) -> None:  #
     and fed them a one-step-old token ("can help help protect"). Small attention groups and
     a sort at every step make moves constant; every answer must stay mlx-lm's."""
     from mlxq.engine.slots import choices as slot_choices
-    from mlxq.engine.slots import decode as slot_decode
     from mlxq.engine.slots import engine as slot_engine
     from mlxq.engine.slots import order as slot_order
+    from mlxq.engine.slots import step as slot_step
 
     model, tokenizer = smollm
-    monkeypatch.setattr(slot_decode, "GROUP_ROWS", 2)
+    monkeypatch.setattr(slot_step, "GROUP_ROWS", 2)
     monkeypatch.setattr(slot_engine, "SORT_EVERY", 1)
     monkeypatch.setattr(slot_order, "SORT_GAIN", 0.999)
     monkeypatch.setenv(slot_choices.SORT_ENV, "1")

@@ -21,14 +21,14 @@ import pytest
 from engine_reference import FlakyModel, reference, run_all
 from helpers import run_mlxq
 
-from mlxq.engine.mlx_lm_batch import Engine
+from mlxq.engine.mlx_lm_batch import BatchGeneratorEngine
 from mlxq.engine.sampling import EngineJob
 from mlxq.engine.slots import choices as slot_choices
 from mlxq.engine.slots.engine import SlotEngine
 from mlxq.engine.slots.joins import JoinPolicy
 from mlxq.wire import Request
 
-ENGINES = {"slot": SlotEngine, "batch_generator": Engine}
+ENGINES = {"slot": SlotEngine, "batch_generator": BatchGeneratorEngine}
 
 
 def _prompt(n: int, salt: int = 0) -> list[int]:
@@ -87,7 +87,7 @@ def test_a_one_token_prompt_joins_a_batch_mid_decode(tiny, kind: str) -> None:
     model, tokenizer = tiny
     engine = ENGINES[kind].from_loaded(model, tokenizer, "tiny", max_batch=8)
     if kind == "slot":
-        engine.join_policy = JoinPolicy(0)  # (joins at once, as on the CPU)
+        engine.joiner.policy = JoinPolicy(0)  # (joins at once, as on the CPU)
     long = {"long": Request(prompt=_prompt(40), max_tokens=24)}
     done: dict[str, Any] = {}
     for key, request in long.items():
@@ -143,7 +143,7 @@ def test_a_failed_prefill_fails_only_the_job_at_fault(tiny) -> None:
     model, tokenizer = tiny
     flaky = LongPrefillFails(model, limit=40)
     engine = SlotEngine.from_loaded(flaky, tokenizer, "tiny", max_batch=8, prefill_batch=4)
-    engine.join_policy = JoinPolicy(0)
+    engine.joiner.policy = JoinPolicy(0)
     running = {"running": Request(prompt=_prompt(12), max_tokens=30)}
     assert engine.add(EngineJob("running", running["running"])) is None
     done: dict[str, Any] = {}
@@ -160,7 +160,7 @@ def test_a_failed_prefill_fails_only_the_job_at_fault(tiny) -> None:
     _check(tiny, engine, {**running, **group}, done)
     together = [s for s in flaky.calls if s[0] > 1 and s[1] > 1]
     assert together, "the three were never prefilled together"
-    assert engine._cache.free_slots == 8 and not engine.active
+    assert engine.batch.cache.free_slots == 8 and not engine.active
 
 
 def _one_token_text(model_dir: Path) -> str:

@@ -13,11 +13,12 @@ import pytest
 from engine_reference import REQUESTS, check_against_reference, reference, run_all
 
 from mlxq.engine.sampling import EngineJob
+from mlxq.engine.slots import batch as slot_batch
 from mlxq.engine.slots import choices as slot_choices
-from mlxq.engine.slots import decode as slot_decode
-from mlxq.engine.slots import engine as slot_engine
+from mlxq.engine.slots import step as slot_step
 from mlxq.engine.slots.attention import gqa_decode
 from mlxq.engine.slots.cache import SlotCache, SlotLayer
+from mlxq.engine.slots.compiled import CompiledForward
 from mlxq.engine.slots.engine import SlotEngine
 from mlxq.wire import Request
 
@@ -44,7 +45,7 @@ def test_compiled_forward_equals_single_requests_as_the_cache_grows(
     gives the same tokens as the eager one."""
     model, tokenizer = tiny
     monkeypatch.setenv(slot_choices.COMPILE_ENV, compiled)
-    monkeypatch.setattr(slot_engine, "SlotCache", _GrowingCache)
+    monkeypatch.setattr(slot_batch, "SlotCache", _GrowingCache)
     monkeypatch.setattr(_GrowingCache, "sizes", [])
     engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=4, prefill_batch=2)
     assert engine.choices.compiled is (compiled == "1")
@@ -70,7 +71,7 @@ def test_the_compiled_forward_takes_lazily_built_model_arrays_as_constants() -> 
     for layer in range(cache.num_layers):
         kv = mx.zeros((2, heads, 4, dim))
         cache.write([0, 1], layer, kv, kv)
-    forward = slot_decode.CompiledForward(model, cache, gqa_decode)
+    forward = CompiledForward(model, cache, gqa_decode)
     logits = forward(mx.array([1, 2]), mx.array([4, 4]))
     dot = io.StringIO()
     mx.export_to_dot(dot, logits)
@@ -87,8 +88,8 @@ def test_steady_steps_feed_the_last_tokens_as_they_are(
     without gathering them slot by slot (host work and kernels on every step)."""
     monkeypatch.setenv(slot_choices.COMPILE_ENV, compiled)
     gathered = []
-    real = slot_decode._gathered_inputs
-    monkeypatch.setattr(slot_decode, "_gathered_inputs", lambda *a: gathered.append(1) or real(*a))
+    real = slot_step._gathered_inputs
+    monkeypatch.setattr(slot_step, "_gathered_inputs", lambda *a: gathered.append(1) or real(*a))
     model, tokenizer = tiny
     engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=4, prefill_batch=4)
     jobs = {str(i): Request(prompt=[5 + i, 6, 7], max_tokens=10) for i in range(4)}
@@ -117,7 +118,7 @@ def test_a_forward_that_cannot_be_compiled_gives_way_to_the_eager_one(
     with caplog.at_level(logging.WARNING, logger="mlxq.engine"):
         done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, 2)
     check_against_reference(tiny, engine, done)
-    assert not engine.choices.compiled and engine._forward is None
+    assert not engine.choices.compiled and engine.batch.forward is None
     warned = [r for r in caplog.records if "compiled decode forward failed" in r.getMessage()]
     assert len(warned) == 1
 
@@ -143,7 +144,7 @@ def test_an_error_outside_the_trace_fails_the_batch_and_keeps_the_compiled_forwa
     monkeypatch.setattr(SlotCache, "reserve", grow)
     assert sorted(c.key for c in failed) == ["0", "1"]
     assert all(c.finish_reason == "error" and "out of memory" in c.error for c in failed)
-    assert engine.choices.compiled and engine._forward is not None
+    assert engine.choices.compiled and engine.batch.forward is not None
     done = run_all(engine, {"2": REQUESTS[2]})
     want = reference(model, tokenizer, engine.encode(REQUESTS[2]), REQUESTS[2])["tokens"]
     assert done["2"].token_ids == want

@@ -20,13 +20,13 @@ from engine_reference import REQUESTS, FlakyModel, check_against_reference, refe
 from mlx_lm.utils import load_tokenizer
 
 from mlxq.engine.factory import make_engine
-from mlxq.engine.mlx_lm_batch import Engine
+from mlxq.engine.mlx_lm_batch import BatchGeneratorEngine
 from mlxq.engine.protocol import BatchEngine
 from mlxq.engine.sampling import EngineJob
 from mlxq.engine.slots import choices as slot_choices
-from mlxq.engine.slots import decode as slot_decode
 from mlxq.engine.slots import engine as slot_engine
 from mlxq.engine.slots import order as slot_order
+from mlxq.engine.slots import step as slot_step
 from mlxq.engine.slots.attention import KERNELS, choose_kernel, fused_decode, gqa_decode
 from mlxq.engine.slots.engine import SlotEngine
 from mlxq.engine.slots.joins import JoinPolicy
@@ -67,10 +67,10 @@ def test_jobs_joining_mid_run_equal_single_requests(
     policies = (("gqa", JoinPolicy(wait=4, idle_budget=6, max_wait=5)), ("fused", JoinPolicy(0)))
     for attention, policy in policies:
         engine = SlotEngine.from_loaded(model, tokenizer, "tiny", attention=attention, **sizes)
-        engine.join_policy = policy
+        engine.joiner.policy = policy
         done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, join_every)
         check_against_reference(tiny, engine, done)
-        assert engine._cache.free_slots == max_batch  # every slot given back
+        assert engine.batch.cache.free_slots == max_batch  # every slot given back
 
 
 @pytest.mark.parametrize("overlap", ["1", "0"])
@@ -84,7 +84,7 @@ def test_overlapped_steps_equal_single_requests(
     assert engine.choices.overlap is (overlap == "1")
     done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, 2)
     check_against_reference(tiny, engine, done)
-    assert engine._cache.free_slots == 4
+    assert engine.batch.cache.free_slots == 4
 
 
 @pytest.mark.parametrize("prefill_step", [2048, 7])
@@ -139,7 +139,7 @@ def test_span_groups_split_only_where_it_saves() -> None:
 def test_groups_of_slots_equal_single_requests(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows attending in groups of two, each over its own span, give the same tokens."""
     model, tokenizer = tiny
-    monkeypatch.setattr(slot_decode, "GROUP_ROWS", 2)
+    monkeypatch.setattr(slot_step, "GROUP_ROWS", 2)
     monkeypatch.setenv(slot_choices.SPLIT_ENV, "0")
     engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=8, prefill_batch=2)
     done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, 1)
@@ -159,7 +159,7 @@ def test_rows_sorted_mid_run_equal_single_requests(tiny, monkeypatch: pytest.Mon
     """Rows moved into length order between steps (here whenever it does not read more)
     keep their tokens: the cache, the bookkeeping and a step in flight follow them."""
     model, tokenizer = tiny
-    monkeypatch.setattr(slot_decode, "GROUP_ROWS", 2)
+    monkeypatch.setattr(slot_step, "GROUP_ROWS", 2)
     monkeypatch.setenv(slot_choices.SPLIT_ENV, "0")
     monkeypatch.setattr(slot_engine, "SORT_EVERY", 1)
     monkeypatch.setattr(slot_order, "SORT_GAIN", 0.999)
@@ -168,7 +168,7 @@ def test_rows_sorted_mid_run_equal_single_requests(tiny, monkeypatch: pytest.Mon
         engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=6, prefill_batch=1)
         done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, 1)
         check_against_reference(tiny, engine, done)
-        assert engine.stats().sorts > 0 and engine._cache.free_slots == 6
+        assert engine.stats().sorts > 0 and engine.batch.cache.free_slots == 6
 
 
 def test_engines_satisfy_the_protocol(tiny) -> None:
@@ -184,7 +184,7 @@ def test_engines_satisfy_the_protocol(tiny) -> None:
     model, tokenizer = tiny
     engines = [
         SlotEngine.from_loaded(model, tokenizer, "t"),
-        Engine.from_loaded(model, tokenizer, "t"),
+        BatchGeneratorEngine.from_loaded(model, tokenizer, "t"),
     ]
     for engine in [*engines, StubEngine(0.0)]:
         assert isinstance(engine, BatchEngine), type(engine).__name__
@@ -284,7 +284,7 @@ def test_a_lost_peer_rank_is_raised_not_a_failure_of_the_jobs(tiny) -> None:
     flaky = FlakyModel(model)
     flaky.error = "[ring] connection to a peer was lost"
     engine = SlotEngine.from_loaded(flaky, tokenizer, "tiny", max_batch=4, prefill_batch=2)
-    engine.join_policy = JoinPolicy(0)
+    engine.joiner.policy = JoinPolicy(0)
     for i in range(2):
         engine.add(EngineJob(str(i), REQUESTS[i]))
     engine.step()

@@ -46,7 +46,7 @@ def test_a_lone_long_job_costs_what_it_costs_in_mlx_lm(tiny) -> None:
     peak = _peak(lambda: done.update(run_all(engine, {"long": LONG})))
     assert done["long"].token_ids == want
     assert peak <= 2 * mlx_lm_peak, f"{peak / 2**20:.1f} MiB vs mlx-lm's {mlx_lm_peak / 2**20:.1f}"
-    assert engine._cache.rows == 0 and engine._cache.nbytes == 0
+    assert engine.batch.cache.rows == 0 and engine.batch.cache.nbytes == 0
 
 
 def test_the_cache_grows_as_jobs_join_shrinks_as_they_leave_and_tokens_stay(
@@ -86,7 +86,7 @@ def test_the_cache_grows_as_jobs_join_shrinks_as_they_leave_and_tokens_stay(
     assert all(r <= cache_rows(admitted) for r, admitted in resizes), resizes
     assert max(rows) >= 16 and len(set(rows)) >= 3 and len(resizes) < 24, resizes
     assert any(b < a for a, b in itertools.pairwise(rows)), resizes  # it shrank
-    assert engine._cache.rows == 0  # idle: nothing held
+    assert engine.batch.cache.rows == 0  # idle: nothing held
 
 
 def test_the_cache_stays_within_the_schedulers_budget(tiny) -> None:
@@ -116,6 +116,6 @@ def test_the_cache_stays_within_the_schedulers_budget(tiny) -> None:
         for c in engine.step():
             assert c.finish_reason == "length"
             scheduler.release(c.key)
-        held = max(held, engine._cache.nbytes)
-        assert engine._cache.nbytes <= budget
+        held = max(held, engine.batch.cache.nbytes)
+        assert engine.batch.cache.nbytes <= budget
     assert waited and budget // 4 < held <= budget

@@ -14,7 +14,7 @@ from engine_reference import REQUESTS, check_against_reference, run_all
 from mlx_lm.generate import generate_step
 
 from mlxq.engine.factory import make_engine
-from mlxq.engine.mlx_lm_batch import Engine
+from mlxq.engine.mlx_lm_batch import BatchGeneratorEngine
 from mlxq.engine.slots import choices as slot_choices
 from mlxq.engine.slots.cache import SlotCache
 from mlxq.engine.slots.engine import SlotEngine
@@ -73,7 +73,7 @@ def test_quantized_slot_cache_equals_mlx_lm_quantized_single_requests(
         assert done[str(i)].token_ids == ref, f"request {i}"
     # float32 values, groups of 32 with a float32 scale and bias each.
     per_value = bits / 8 + 2 * 4 / 32
-    quantized, full = held[id(engine._cache)], held[id(plain._cache)]
+    quantized, full = held[id(engine.batch.cache)], held[id(plain.batch.cache)]
     assert full > 0 and quantized == pytest.approx(full * per_value / 4)
     assert all(c.finish_reason in ("stop", "length") for c in plain_done.values())
 
@@ -104,7 +104,7 @@ def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[A
         ("tiny-qwen3", SlotEngine),
         ("tiny-mistral", SlotEngine),
         ("tiny-phi3", SlotEngine),
-        ("tiny-gemma3", Engine),  # sliding-window layers: the fallback
+        ("tiny-gemma3", BatchGeneratorEngine),  # sliding-window layers: the fallback
     ],
 )
 def test_model_families_equal_single_requests(
@@ -115,7 +115,7 @@ def test_model_families_equal_single_requests(
         engine = make_engine(model, tokenizer, preset, max_batch=3, prefill_batch=2)
     assert type(engine) is kind
     fallback = [r for r in caplog.records if "BatchGenerator" in r.getMessage()]
-    assert len(fallback) == (kind is Engine)
+    assert len(fallback) == (kind is BatchGeneratorEngine)
     done = run_all(engine, {str(i): r for i, r in enumerate(REQUESTS)}, join_every=2)
     check_against_reference((model, tokenizer), engine, done)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from engine_reference import REQUESTS, check_against_reference, reference, run_all
 
-from mlxq.engine.mlx_lm_batch import Engine
+from mlxq.engine.mlx_lm_batch import BatchGeneratorEngine
 from mlxq.engine.sampling import EngineJob
 from mlxq.engine.scheduler import Scheduler
 from mlxq.engine.slots.engine import SlotEngine
@@ -39,7 +39,7 @@ def test_greedy_samples_equal_the_single_greedy_answer(tiny) -> None:
     # One prefill for the job's prompt, however many samples it has.
     prompt = len(engine.encode(request))
     assert engine.stats().prefilled_tokens == 2 * (prompt - 1)
-    assert engine._cache.free_slots == engine.max_batch and engine.active == 0
+    assert engine.batch.cache.free_slots == engine.max_batch and engine.active == 0
 
 
 def seeded(n: int, seed: int = 7) -> Request:
@@ -83,7 +83,7 @@ def test_samples_join_and_leave_a_running_batch(tiny, max_batch: int, join_every
     for key, (r, n) in sampled.items():
         ref = reference(model, tokenizer, engine.encode(r), r)
         assert [ch.token_ids for ch in done[key].choices] == [ref["tokens"]] * n, key
-    assert engine._cache.free_slots == max_batch and engine.active == 0
+    assert engine.batch.cache.free_slots == max_batch and engine.active == 0
 
 
 def test_cancel_ends_every_sample(tiny) -> None:
@@ -97,7 +97,7 @@ def test_cancel_ends_every_sample(tiny) -> None:
     assert c is not None and c.key == "job" and c.finish_reason == "cancelled"
     assert [ch.finish_reason for ch in c.choices] == ["cancelled"] * 3
     assert all(ch.token_ids for ch in c.choices)  # what each had generated is kept
-    assert engine.active == 0 and engine._cache.free_slots == engine.max_batch
+    assert engine.active == 0 and engine.batch.cache.free_slots == engine.max_batch
     assert engine.cancel("job") is None
 
 
@@ -110,7 +110,7 @@ def test_more_samples_than_rows_fail_alone(tiny) -> None:
 
 def test_the_batch_generator_engine_refuses_samples(tiny) -> None:
     model, tokenizer = tiny
-    engine = Engine.from_loaded(model, tokenizer, "tiny")
+    engine = BatchGeneratorEngine.from_loaded(model, tokenizer, "tiny")
     failed = engine.add(EngineJob("job", Request(prompt="Hi", n=2)))
     assert failed is not None and failed.finish_reason == "error" and "slot engine" in failed.error
 

@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 from mlx_lm.utils import load_tokenizer
 
 from mlxq.engine.slots import choices as slot_choices
-from mlxq.engine.slots import decode as slot_decode
 from mlxq.engine.slots import engine as slot_engine
 from mlxq.engine.slots import order as slot_order
+from mlxq.engine.slots import step as slot_step
 from mlxq.engine.slots.cache import SlotCache
-from mlxq.engine.slots.decode import Row, Step, move_rows, step_inputs
 from mlxq.engine.slots.engine import SlotEngine
+from mlxq.engine.slots.step import Row, Step, move_rows, step_inputs
 from mlxq.wire import Request
 
 ROWS = 256
@@ -70,7 +70,7 @@ def test_hundreds_of_sorted_rows_equal_single_requests(
     them rare on a model this small, not harmless)."""
     model, _ = tiny
     tokenizer, jobs, expected = varied
-    monkeypatch.setattr(slot_decode, "GROUP_ROWS", group_rows)
+    monkeypatch.setattr(slot_step, "GROUP_ROWS", group_rows)
     monkeypatch.setattr(slot_engine, "SORT_EVERY", sort_every)
     monkeypatch.setattr(slot_order, "SORT_GAIN", 0.999)
     monkeypatch.setenv(slot_choices.SORT_ENV, "1")
@@ -82,7 +82,7 @@ def test_hundreds_of_sorted_rows_equal_single_requests(
     assert not wrong, f"{len(wrong)}/{len(jobs)} differ from mlx-lm, e.g. {wrong[:5]}"
     reasons = Counter(c.finish_reason for c in done.values())
     assert reasons["stop"] >= 30 and reasons["length"] >= 30, reasons  # both kinds of end
-    assert engine.stats().sorts >= 5 and engine._cache.free_slots == ROWS
+    assert engine.stats().sorts >= 5 and engine.batch.cache.free_slots == ROWS
 
 
 def _row(slot: int, next_input: int) -> Row:

@@ -61,11 +61,11 @@ def test_300_rows_keep_mlx_lms_tokens(
         pending = pending[take:]
         for c in engine.step():
             done[c.key] = c
-        widest = max(widest, len(engine._rows))
+        widest = max(widest, len(engine.batch.rows))
         steps += 1
     assert widest > 256, f"at most {widest} rows decoded together"
     for key, request in jobs.items():
         ref = reference(model, tokenizer, engine.encode(request), request)
         assert done[key].token_ids == ref["tokens"], key
         assert done[key].finish_reason in ("length", "stop")
-    assert engine._cache.free_slots == 320  # every slot given back
+    assert engine.batch.cache.free_slots == 320  # every slot given back

@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.nn as nn
 
-from mlxq.engine.mlx_lm_batch import Engine
+from mlxq.engine.mlx_lm_batch import BatchGeneratorEngine
 from mlxq.engine.models import mlx_lm_seam
 from mlxq.engine.protocol import BatchEngine
 from mlxq.engine.slots.engine import SlotEngine
@@ -48,4 +48,4 @@ def make_engine(
         raise ValueError(f"batch logits hooks need the slot engine, and {name} cannot use it")
     options.pop("attention", None)
     options.pop("prefill_tokens", None)  # it sizes prefill from the arrivals alone
-    return Engine.from_loaded(model, tokenizer, name, **options)
+    return BatchGeneratorEngine.from_loaded(model, tokenizer, name, **options)

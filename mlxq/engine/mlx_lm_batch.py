@@ -1,13 +1,14 @@
-"""The continuous-batching runner: mlx-lm's ``BatchGenerator`` with per-job settings.
+"""The fallback engine: mlx-lm's ``BatchGenerator`` with per-job settings.
 
-One thread owns an :class:`Engine`: it ``add``s jobs, calls ``step`` in a loop and gets
+It runs the models whose cache cannot live in slots (:mod:`mlxq.engine.factory` picks it).
+One thread owns a :class:`BatchGeneratorEngine`: it ``add``s jobs, calls ``step`` in a loop and gets
 back the jobs that finished. Jobs join the running batch between decode steps. Each job
 has its own sampler, logits processors, ``max_tokens``, stop strings and logprobs; EOS
 tokens end a job (and are not part of its output). A job that cannot run fails alone,
 and an error inside the model fails the jobs in the batch but not the engine.
 
 With ``prefix_cache_bytes``, jobs start from the stored KV cache of a recurring prompt
-prefix and prefill only the rest (:mod:`mlxq.engine.slots.prefix_cache`): ``add`` then queues a job,
+prefix and prefill only the rest (:mod:`mlxq.engine.prefix_cache`): ``add`` then queues a job,
 and the next ``step`` plans its reuse, once a burst of jobs has been counted.
 """
 
@@ -27,6 +28,7 @@ from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 from mlxq.engine.constraints.batch import logits_width
 from mlxq.engine.constraints.mlx_lm_hook import BatchGeneratorConstraints
 from mlxq.engine.models.facts import model_info
+from mlxq.engine.prefix_cache import Plan, make_prefix_cache
 from mlxq.engine.prompts import JobInputError, PromptEncoder, error_line
 from mlxq.engine.protocol import warm_up
 from mlxq.engine.sampling import (
@@ -37,13 +39,12 @@ from mlxq.engine.sampling import (
     make_job_sampler,
     token_logprobs,
 )
-from mlxq.engine.slots.prefix_cache import Plan, make_prefix_cache
 from mlxq.engine.stats import EngineStats, add_work
 from mlxq.formats.constraints import ConstraintError
 from mlxq.wire import FinishReason, Request, TokenLogprob
 
 
-class Engine:
+class BatchGeneratorEngine:
     """Continuous batching of generation jobs over one model; used by one thread."""
 
     def __init__(
@@ -59,7 +60,7 @@ class Engine:
         """Load ``model`` (a local folder or hub id) with ``mlx_lm.load``.
 
         ``prefix_cache_bytes`` > 0 keeps the KV cache of recurring prompt prefixes, up to
-        that many bytes, and starts later jobs from it (see :mod:`mlxq.engine.slots.prefix_cache`).
+        that many bytes, and starts later jobs from it (see :mod:`mlxq.engine.prefix_cache`).
         """
         loaded, tokenizer = mlx_lm.load(model, adapter_path=adapter_path)
         sizes = {"max_batch": max_batch, "prefill_batch": prefill_batch}
@@ -67,7 +68,9 @@ class Engine:
         self._setup(loaded, tokenizer, model, **sizes)
 
     @classmethod
-    def from_loaded(cls, model: nn.Module, tokenizer: Any, name: str, **options: int) -> Engine:
+    def from_loaded(
+        cls, model: nn.Module, tokenizer: Any, name: str, **options: int
+    ) -> BatchGeneratorEngine:
         """An engine over a loaded model and ``TokenizerWrapper`` (same keyword options)."""
         engine = cls.__new__(cls)
         engine._setup(model, tokenizer, name, **options)

@@ -1,4 +1,4 @@
-"""The MLX thread: owns the Engine and runs its decode loop; other threads hand it work.
+"""The MLX thread: owns the engine and runs its decode loop; other threads hand it work.
 
 MLX state (model, KV caches, streams) is touched only by this thread. The worker's
 Redis thread submits ``Work`` and cancels through a queue and collects ``Completion``s

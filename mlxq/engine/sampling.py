@@ -22,8 +22,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler
 
-from mlxq.engine.slots.prefix_cache import Plan
-from mlxq.wire import Choice, FinishReason, Request, TokenLogprob, TopLogprob
+from mlxq.engine.prefix_cache import Plan
+from mlxq.wire import Choice, FinishReason, Request, StreamChunk, TokenLogprob, TopLogprob
 
 Sampler = Callable[[mx.array], mx.array]
 Filter = Callable[[mx.array], mx.array]
@@ -38,15 +38,6 @@ class EngineJob:
 
     key: str
     request: Request
-
-
-@dataclass
-class StreamChunk:
-    """New output of a ``stream: true`` job since its last chunk."""
-
-    key: str
-    text: str
-    token_ids: list[int]
 
 
 @dataclass

@@ -17,20 +17,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 # The automatic batch's ceiling by backend: the rows past which a wider decode batch stops
-# paying (a wider one makes every step slower for little more throughput). Memory may set
-# it lower; --max-batch sets it outright.
-# - cuda: measured on an H200 (issue 29, MLX CUDA 0.32.4, varied outputs, a queue 4x the
-#   batch), the 1B shape gained up to the widest row run: 256 -> 19.5k gen tok/s, 512 ->
-#   28.1k, 1,024 -> 36.3k (1.29x for the last doubling); the 8B shape 256 -> 8.0k, 512 ->
-#   9.0k, and memory holds ~300 of its 2,048-token jobs anyway. 2,048 rows measured no
-#   faster than 1,024 (8,192 requests, ragged attention: 44.4k against 45.7k gen tok/s):
-#   past ~600 rows the 1B step is compute-bound (bench/step_floor.py).
-# - metal: not measured; an Apple GPU has ~1/6 an H200's bandwidth and far less compute,
-#   so its steps turn compute-bound at fewer rows: one doubling past the old 256.
-# - cpu: measured on a 2-core Xeon (bench/README.md, "Batch sweeps"): the cpu-small preset,
-#   varied outputs, 1,024 requests, gained 1.32x from 16 to 128 rows, then 1.02x to 256
-#   and 1.05x more to 512 (noise on that shared machine is larger) while each step took
-#   1.5x and 2.2x as long: 128.
+# paying (each step slower for little more throughput; on an H200 a 1B step is
+# compute-bound past ~600 rows). Memory may set it lower; --max-batch sets it outright.
+# CUDA's and the CPU's are measured (batch sweeps, bench/RESULTS.md); Metal's, one doubling
+# past 256, is an estimate: an Apple GPU turns compute-bound at fewer rows.
 BATCH_CEILING = {"cpu": 128, "metal": 512, "cuda": 1024}
 # The slot engine's rows when the automatic batch is narrower: its join pacing (a share of
 # its rows) stays as it was tuned.

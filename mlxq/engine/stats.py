@@ -9,7 +9,7 @@ from typing import Any
 
 @dataclass
 class EngineStats:
-    """What an engine has done since it was made (:meth:`Engine.stats`).
+    """What an engine has done since it was made (:meth:`~mlxq.engine.protocol.BatchEngine.stats`).
 
     ``prompt_tokens``: of admitted jobs; ``prefilled_tokens``: run through the model (not
     a prompt's last token, which the first decode step feeds, nor ``reused_tokens``, taken

@@ -81,20 +81,3 @@ class Channel:
 def ring_bytes(array_bytes: int, size: int) -> float:
     """Bytes each rank sends for an all_sum of ``array_bytes`` over a ring of ``size``."""
     return 2 * (size - 1) / size * array_bytes
-
-
-# How MLX's distributed backends word a collective whose peer is gone (a RuntimeError):
-# their prefixes, and the socket errors of the ring (read from libmlx's strings).
-_PEER_LOST = (
-    "[ring]",
-    "[jaccl]",
-    "Send failed with errno",
-    "Recv failed with errno",
-    "was closed by the peer",
-)
-
-
-def peer_lost(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective failing because another rank is gone: the worker's
-    fault, not the jobs' (they go back on their queues rather than fail)."""
-    return isinstance(exc, RuntimeError) and any(p in str(exc) for p in _PEER_LOST)

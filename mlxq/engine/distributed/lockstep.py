@@ -51,8 +51,8 @@ class PrefillBatch(msgspec.Struct, tag="prefill_batch"):
     n: int
 
 
-class Step(msgspec.Struct, tag="step"):
-    pass
+class StepCall(msgspec.Struct, tag="step"):
+    """One engine step (the calls before it applied first)."""
 
 
 class Warmup(msgspec.Struct, tag="warmup"):
@@ -63,7 +63,7 @@ class Close(msgspec.Struct, tag="close"):
     pass
 
 
-Call = Add | Cancel | PrefillBatch | Step | Warmup | Close
+Call = Add | Cancel | PrefillBatch | StepCall | Warmup | Close
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(list[Call])
 
@@ -135,7 +135,7 @@ class LockstepEngine:
 
     def step(self) -> list[Completion]:
         """One step on every rank (the queued calls first)."""
-        self._send(Step())
+        self._send(StepCall())
         self.steps += 1
         return self.inner.step()
 
@@ -193,7 +193,7 @@ def follow(
         calls = _DECODER.decode(channel.broadcast())
         if not apply_calls(calls, lambda c: _apply(engine, c), engine.close):
             return steps
-        steps += sum(isinstance(c, Step) for c in calls)
+        steps += sum(isinstance(c, StepCall) for c in calls)
 
 
 def apply_calls(
@@ -214,7 +214,7 @@ def apply_calls(
 
 
 def _apply(engine: BatchEngine, call: Call) -> None:
-    if isinstance(call, Step):
+    if isinstance(call, StepCall):
         engine.step()
         engine.take_stream()  # (held until taken otherwise)
     elif isinstance(call, Add):

@@ -5,9 +5,11 @@ through three calls: ``cache.offset`` (RoPE), ``cache.update_and_fetch(k, v)`` a
 ``create_attention_mask(h, cache)`` (which calls ``cache.make_mask``); then they call
 ``scaled_dot_product_attention`` imported from ``mlx_lm.models.base`` into their own
 module. That last call is not a cache method, so :func:`install` rebinds the name in the
-model's modules to :func:`_sdpa`, which hands slot-cache layers to
-:meth:`~mlxq.engine.slots.cache.SlotLayer.attend` and passes every other cache through to
-mlx-lm's function unchanged (other engines and plain mlx-lm calls behave as before).
+model's modules to :func:`_sdpa`, which hands a cache layer that attends itself
+(:class:`AttendingCache`: the slot cache's :class:`~mlxq.engine.slots.cache.SlotLayer`) its
+queries and passes every other cache through to mlx-lm's function unchanged (other
+engines and plain mlx-lm calls behave as before). The slot cache depends on this module,
+never the other way round.
 
 :func:`unsupported` says why a model cannot run on slot caches (or None): its cache must
 be a plain ``KVCache`` per layer (no sliding window, no SSM state, no MLA latent cache)
@@ -24,10 +26,17 @@ import mlx.nn as nn
 from mlx_lm.models import base
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlxq.engine.slots.cache import SlotLayer
-
 _ORIGINAL = base.scaled_dot_product_attention
 _NAME = "scaled_dot_product_attention"
+
+
+class AttendingCache:
+    """A cache layer that computes its layer's attention itself (from the queries alone:
+    its keys and values are its own); :func:`_sdpa` hands it the call."""
+
+    def attend(self, queries: mx.array, scale: float) -> mx.array:
+        """Attention of ``queries`` over the layer's cached keys and values."""
+        raise NotImplementedError
 
 
 def _sdpa(
@@ -39,7 +48,7 @@ def _sdpa(
     mask: Any,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    if isinstance(cache, SlotLayer) and sinks is None:
+    if isinstance(cache, AttendingCache) and sinks is None:
         return cache.attend(queries, scale)
     return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 

@@ -1,9 +1,8 @@
 """Per-backend weight format: quantized weights are dequantized at load where that is faster.
 
-MLX's CUDA quantized matmul is slow for wide batches (an 8B shape at 4 bits ran 294 gen
-tok/s against 7,229 in bf16 at batch 256 on an H200, issue 10), and so is its CPU one (1-2
-gen tok/s on a 4-bit 135M model against 27-82 in float32 through OpenBLAS, issue 31), while
-Metal's quantized kernels are fast and Macs are short of memory. So ``"auto"``:
+MLX's CUDA quantized matmul is slow for wide batches, and so is its CPU one (over ten times
+slower than the dequantized weights: figures in bench/RESULTS.md), while Metal's quantized
+kernels are fast and Macs are short of memory. So ``"auto"``:
 
 - on CUDA dequantizes when the dequantized weights take at most :data:`DEQUANTIZE_SHARE` of
   device memory;

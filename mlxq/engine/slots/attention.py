@@ -8,8 +8,8 @@ where ``mask`` (``[rows, 1, 1, span]``, bool) marks each row's valid positions:
   (``[rows, kv_heads, group, D] @ K^T``), so K and V are never repeated; the softmax
   accumulates in float32; masked positions get a large finite negative, so a row whose
   mask is all false (never the case for a live row) still gives finite numbers. On CUDA,
-  MLX's fused kernel leaves its fast path for any array mask; this one measured 1.5-2.5x
-  faster there (issue 14).
+  MLX's fused kernel leaves its fast path for any array mask, and this one measured faster
+  there (bench/RESULTS.md, "One decode step, 256 rows").
 - ``"fused"``: ``mx.fast.scaled_dot_product_attention`` with the bool mask; Metal's vector
   kernel takes array masks at full speed.
 - ``"ragged"``: mlxq's CUDA kernel (:mod:`~mlxq.engine.slots.ragged_attention`), which

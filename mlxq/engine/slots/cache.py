@@ -30,10 +30,10 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import mlx.core as mx
 
+from mlxq.engine.models.mlx_lm_seam import AttendingCache
 from mlxq.engine.scheduler import CACHE_STEP, cache_positions
 from mlxq.engine.slots.attention import Kernel
 from mlxq.engine.slots.order import SPAN_ROUND, span_groups
@@ -41,6 +41,8 @@ from mlxq.engine.slots.order import SPAN_ROUND, span_groups
 # A layer's keys (or values): one array, or with ``bits`` the parts of ``mx.quantize``
 # (packed ints, scales, biases), each ``[slots, kv_heads, capacity, *]``.
 Stored = mx.array | tuple[mx.array, ...]
+# Where a write lands in a layer's array: rows, heads, positions (slices or index arrays).
+Index = tuple[slice | mx.array, ...]
 
 
 def _each(x: Stored, f: Callable[[mx.array], mx.array]) -> Stored:
@@ -184,7 +186,7 @@ class SlotCache:
         self.put(self.keys[layer], (rows, slice(None), slice(0, n)), keys)
         self.put(self.values[layer], (rows, slice(None), slice(0, n)), values)
 
-    def put(self, stored: Stored, at: tuple[Any, ...], new: mx.array) -> None:
+    def put(self, stored: Stored, at: Index, new: mx.array) -> None:
         """Write ``new`` (full precision) into ``stored[at]``, quantized if the cache is."""
         if not isinstance(stored, tuple):
             stored[at] = new
@@ -247,7 +249,7 @@ class DecodeState:
         return cls(mx.array(lengths), groups, masks, kernel)
 
 
-class SlotLayer:
+class SlotLayer(AttendingCache):
     """One layer's view of the slot cache during a decode step (mlx-lm's cache interface)."""
 
     def __init__(self, cache: SlotCache, layer: int, state: DecodeState) -> None:

@@ -29,7 +29,7 @@
   (:mod:`~mlxq.engine.models.fused_projections`), because a CUDA step's host time is mostly
   matmul launches;
 - prefill buckets (``MLXQ_PREFILL_BUCKETS``, CUDA only by default): a prefill call's rows
-  and length are rounded to a few sizes (:mod:`~mlxq.engine.slots.prefill_shapes`), because each
+  and length are rounded to a few sizes (:mod:`~mlxq.engine.slots.buckets`), because each
   new shape first builds its kernels there.
 """
 

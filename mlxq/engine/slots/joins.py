@@ -17,11 +17,11 @@ Plain Python (no MLX): the slot engine hands in its waiting list and counts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from mlxq.engine.prefix_cache import Plan, PrefixCache
     from mlxq.engine.sampling import RunningJob
-    from mlxq.engine.slots.prefix_cache import Plan
 
 
 @dataclass
@@ -50,10 +50,10 @@ class JoinPolicy:
     as a decode step does); a free slot left idle costs a row of every step. When every
     free slot has a job waiting (a deep queue), a group joins once its slots have idled
     ``idle_budget`` slot-steps in all, the fixed cost of a call: one call a step becomes
-    one every ~sqrt(2 x budget / finishes a step) steps (issue 10's varied outputs at a
-    queue 16x the batch made 1,243 calls in 1,572 steps on the H200). ``max_wait`` bounds
-    the oldest job's wait; with fewer jobs than free slots (more may be on their way) it
-    waits ``wait`` steps.
+    one every ~sqrt(2 x budget / finishes a step) steps (joining at once made a call
+    nearly every step on a deep queue: bench/RESULTS.md, ``MLXQ_JOIN_COST``).
+    ``max_wait`` bounds the oldest job's wait; with fewer jobs than free slots (more may
+    be on their way) it waits ``wait`` steps.
     """
 
     wait: int = 4
@@ -84,7 +84,7 @@ def join_due(
 def pick_group(
     waiting: list[Waiting],
     limit: int,
-    prefix: Any | None,
+    prefix: PrefixCache | None,
     tokens: int | None = None,
     step: int = 2048,
     free: int | None = None,

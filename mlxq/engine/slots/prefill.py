@@ -18,8 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from mlxq.engine.slots.buckets import bucket_rows, bucket_tokens
 from mlxq.engine.slots.cache import SlotCache
-from mlxq.engine.slots.prefill_shapes import bucket_rows, bucket_tokens
 
 
 @dataclass
@@ -52,7 +52,7 @@ def prefill_group(
 
     ``suffixes`` are the prompts less the prefix and less their last token (possibly
     empty). With ``buckets`` the call's rows and length are padded to
-    :mod:`~mlxq.engine.slots.prefill_shapes` sizes (dummy rows are never written). With
+    :mod:`~mlxq.engine.slots.buckets` sizes (dummy rows are never written). With
     ``copies``, prompt ``i`` is written into ``copies[i]`` consecutive slots (the samples
     of one job: one prefill, n rows). Returns the temporary cache (real rows first);
     ``cache.lengths`` is set for each slot; the cache's arrays exist afterwards, even

@@ -1,7 +1,7 @@
 """Decode attention that reads only each row's own positions: one CUDA kernel.
 
 The compiled decode forward attends every row over the cache's whole capacity, masked to
-the row's length (:mod:`~mlxq.engine.slots.decode`): with outputs of varied lengths most
+the row's length (:mod:`~mlxq.engine.slots.step`): with outputs of varied lengths most
 of the keys and values it reads are masked away (a 1B model at 1,024 rows, rows of ~200
 tokens in a capacity of 512: 2.5x the bytes that count). This kernel skips a masked
 position before loading its key and value, so a step reads what the rows hold, and runs

@@ -11,15 +11,17 @@ each row.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
 
-from mlxq.engine.slots.decode import Row
+from mlxq.engine.slots.step import Row
+
+# Rows by slot: a mapping, or ``(slot, row)`` pairs.
+Rows = Mapping[int, Row] | Iterable[tuple[int, Row]]
 
 
 class RowTable(dict[int, Row]):
     """Rows by slot (a dict: reads as fast as one) and views of them kept up to date."""
 
-    def __init__(self, rows: Mapping[int, Row] | Iterable[tuple[int, Row]] = ()) -> None:
+    def __init__(self, rows: Rows = ()) -> None:
         super().__init__()
         self._ordered: list[Row] | None = []
         self.processors = 0  # rows with per-row logits processors
@@ -50,7 +52,7 @@ class RowTable(dict[int, Row]):
         self._count(self[slot], -1)
         super().__delitem__(slot)
 
-    def pop(self, slot: int, *default: Any) -> Any:
+    def pop(self, slot: int, *default: Row) -> Row:  # type: ignore[override]
         """Remove and return the row in ``slot`` (``default`` if none, else KeyError)."""
         if slot not in self:
             return super().pop(slot, *default)
@@ -70,13 +72,13 @@ class RowTable(dict[int, Row]):
             self[slot] = row
         return self[slot]
 
-    def update(self, rows: Any = (), **more: Any) -> None:  # type: ignore[override]
+    def update(self, rows: Rows = (), **more: Row) -> None:  # type: ignore[override]
         """Put rows (a mapping or ``(slot, row)`` pairs) into their slots."""
         pairs = rows.items() if isinstance(rows, Mapping) else rows
         for slot, row in [*pairs, *more.items()]:
             self[slot] = row
 
-    def __ior__(self, rows: Any) -> RowTable:  # type: ignore[override]
+    def __ior__(self, rows: Rows) -> RowTable:  # type: ignore[override]
         self.update(rows)
         return self
 

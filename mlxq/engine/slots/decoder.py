@@ -1,8 +1,9 @@
 """How the slot engine runs a decode step: launch it, do the last one's bookkeeping meanwhile.
 
-A mixin of :class:`~mlxq.engine.slots.engine.SlotEngine` (the engine's state is its own),
-as :mod:`mlxq.engine.slots.joining` is for joins; the step itself (inputs, forward,
-sampling) is :mod:`mlxq.engine.slots.decode`.
+:class:`Decoder` steps the rows of a :class:`~mlxq.engine.slots.batch.SlotBatch`: it
+launches the next step, then collects the one before (its tokens to the host, each
+row's output recorded, rows that ended finished). The step itself (inputs, forward,
+sampling) is :mod:`mlxq.engine.slots.step`.
 
 Free steps are built and launched whole while the last one computes. A step whose rows
 need host tokens to sample (hooks that act, such as constraints; per-row processors) is
@@ -17,23 +18,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import mlx.core as mx
 
+from mlxq.engine.constraints.slot_hook import ConstraintHook
 from mlxq.engine.prompts import error_line
-from mlxq.engine.sampling import Completion, StreamChunk
-from mlxq.engine.slots.decode import (
-    Row,
-    Step,
-    TraceFailed,
-    relayed_step,
-    run_forward,
-    sample_step,
-)
-from mlxq.engine.slots.rows import RowTable
+from mlxq.engine.sampling import Completion
+from mlxq.engine.slots.batch import SlotBatch
+from mlxq.engine.slots.compiled import TraceFailed
+from mlxq.engine.slots.step import Row, Step, relayed_step, run_forward, sample_step
 from mlxq.wire import FinishReason
 
 log = logging.getLogger("mlxq.engine.slots.engine")
@@ -50,50 +44,47 @@ class _Launch:
     failed: list[Completion] | None = None
 
 
-class Stepping:
-    """Decode steps over the slot engine's rows (the state below is the engine's)."""
+class Decoder:
+    """Decode steps over a batch's rows; ``constraints`` (one of the batch's hooks) may
+    hold rows back until their matchers advanced. A pipeline stage that does not sample
+    is ``relayed``: its tokens come through :meth:`deliver`."""
 
-    model: Any
-    tokenizer: Any
-    choices: Any
-    hooks: list[Any]
-    _cache: Any
-    _constraints: Any
-    _forward: Any
-    _stats: Any
-    _eos: set[int]
-    _rows: RowTable
-    _chunks: list[StreamChunk]
-    _inflight: Step | None
-    relayed: bool
-    info: Any
+    def __init__(self, batch: SlotBatch, constraints: ConstraintHook) -> None:
+        self.batch, self.constraints = batch, constraints
+        self.relayed = False
 
-    _keys: dict[str, int]
-    _samples: dict[str, Any]
-    _fail_batch: Callable[[Exception], list[Completion]]  # (the engine's)
+    def deliver(self, tokens: list[int]) -> None:
+        """The sampled tokens of the step in flight (a stage that does not sample)."""
+        step = self.batch.inflight
+        if step is None or step.sampled is not None or len(step.rows) != len(tokens):
+            rows = "none" if step is None else len(step.rows)
+            raise RuntimeError(
+                f"pipeline out of step: {len(tokens)} tokens for a step of {rows} rows"
+            )
+        step.sampled = mx.array(tokens, dtype=mx.uint32)
 
-    def _decode(self) -> list[Completion]:
+    def step(self) -> list[Completion]:
         """Wait for the step in flight (except where steps overlap), launch the next (see
         the module docstring), then do the bookkeeping of the one before."""
-        tic = time.perf_counter()
+        tic, b = time.perf_counter(), self.batch
         # Hooks that act need host tokens each step; an idle one (no constrained row) does not.
-        hooks_act = any(getattr(h, "active", True) for h in self.hooks)
-        prev, rows = self._inflight, self._launchable()
-        sync = hooks_act or (self._rows.processors > 0 and any(r.processors for r in rows))
-        if prev is not None and not self.choices.overlap:
+        hooks_act = any(getattr(h, "active", True) for h in b.hooks)
+        prev, rows = b.inflight, self._launchable()
+        sync = hooks_act or (b.rows.processors > 0 and any(r.processors for r in rows))
+        if prev is not None and not b.choices.overlap:
             # Wait for it (not for its bookkeeping): while a computation that reads the
             # cache is pending, the next step's writes would copy every layer's cache.
             mx.eval(prev.sampled, prev.logprobs)
         launch = self._launch(rows, prev, sync) if rows else _Launch()
         if launch.failed is not None:
             return launch.failed
-        self._inflight = launch.step
+        b.inflight = launch.step
         done = [] if prev is None else self._collect(prev, launch.tokens)
         if launch.logits is not None:
             sampling = time.perf_counter()
             done += self._sample_after(rows, launch.logits)
-            self._stats.sample_launch_seconds += time.perf_counter() - sampling
-        self._stats.decode_seconds += time.perf_counter() - tic
+            b.stats.sample_launch_seconds += time.perf_counter() - sampling
+        b.stats.decode_seconds += time.perf_counter() - tic
         return done
 
     def _launch(self, rows: list[Row], prev: Step | None, sync: bool) -> _Launch:
@@ -114,28 +105,30 @@ class Stepping:
                 mx.async_eval(logits)
                 out.logits = logits
         except Exception as exc:
-            return _Launch(failed=self._fail_batch(exc))
-        self._stats.launch_seconds += time.perf_counter() - built - waited
-        self._stats.token_wait_seconds += waited
-        self._stats.decode_steps += 1
+            return _Launch(failed=self.batch.fail(exc))
+        stats = self.batch.stats
+        stats.launch_seconds += time.perf_counter() - built - waited
+        stats.token_wait_seconds += waited
+        stats.decode_steps += 1
         return out
 
     def _forward_logits(self, rows: list[Row], prev: Step | None) -> mx.array:
         """The model's part of the step. A compiled forward that fails to trace (a model
         whose code the tracer cannot follow) gives way to the eager one for good, with a
         warning, and the step runs eagerly; any other error is the step's own."""
-        args = (self.model, self._cache, self.choices.kernel, rows, prev, self.choices.saving)
-        if self._forward is not None:
+        b = self.batch
+        args = (b.model, b.cache, b.choices.kernel, rows, prev, b.choices.saving)
+        if b.forward is not None:
             try:
-                return run_forward(*args, self._forward)
+                return run_forward(*args, b.forward)
             except TraceFailed as exc:
                 log.warning(
                     "the compiled decode forward failed (%s): decoding eagerly from now on "
                     "(MLXQ_SLOT_COMPILE=0 skips it)",
                     error_line(exc),
                 )
-                self._forward = None
-                self.choices = dataclasses.replace(self.choices, compiled=False)
+                b.forward = None
+                b.choices = dataclasses.replace(b.choices, compiled=False)
         return run_forward(*args)
 
     def _sample_after(self, rows: list[Row], logits: mx.array) -> list[Completion]:
@@ -147,24 +140,25 @@ class Stepping:
         if len(live) < len(rows):
             rows, logits = [rows[i] for i in live], logits[mx.array(live)]
         try:
-            self._inflight = self._sample(rows, logits)
+            self.batch.inflight = self._sample(rows, logits)
         except Exception as exc:
-            return self._fail_batch(exc)
+            return self.batch.fail(exc)
         return []
 
     def _sample(self, rows: list[Row], logits: mx.array) -> Step:
         """Sample the step, or (a pipeline stage that does not sample) leave its tokens
         to be delivered."""
+        hooks = self.batch.hooks
         if self.relayed:
-            return relayed_step(rows, self.info.vocab_size, self.hooks)
-        return sample_step(rows, logits, self.hooks)
+            return relayed_step(rows, self.batch.info.vocab_size, hooks)
+        return sample_step(rows, logits, hooks)
 
     def _launchable(self) -> list[Row]:
         """Rows to decode next, in slot order: all but those whose step in flight gives
         them their last token (``max_tokens``): their cache length, one more per step
         launched, has reached its :attr:`~Row.limit`."""
-        held = self._cache.lengths
-        return [r for r in self._rows.ordered() if held[r.slot] < r.limit]
+        held = self.batch.cache.lengths
+        return [r for r in self.batch.rows.ordered() if held[r.slot] < r.limit]
 
     def _hand_tokens(
         self, step: Step, live: list[tuple[int, Row]] | None = None
@@ -174,17 +168,17 @@ class Stepping:
         try:
             tokens = step.sampled.tolist()
         except Exception as exc:
-            self._inflight = None
-            return None, self._fail_batch(exc)
+            self.batch.inflight = None
+            return None, self.batch.fail(exc)
         live = self._live(step.rows) if live is None else live
         keys = [r.run.job.key for _, r in live]
-        for hook in self.hooks:
+        for hook in self.batch.hooks:
             hook.accept(keys, [tokens[i] for i, _ in live])
         return tokens, []
 
     def _live(self, rows: list[Row]) -> list[tuple[int, Row]]:
         """The ``rows`` (index among them, row) that still decode: not finished meanwhile."""
-        row_at = self._rows.get
+        row_at = self.batch.rows.get
         return [(i, r) for i, r in enumerate(rows) if row_at(r.slot) is r]
 
     def _collect(self, step: Step, tokens: list[int] | None = None) -> list[Completion]:
@@ -198,16 +192,16 @@ class Stepping:
             if tokens is None:
                 return lost
         free, held = live, []
-        if self._constraints.holds_any():
+        if self.constraints.holds_any():
             free = []
             for i, r in live:
-                (held if self._constraints.holds(r.run.job.key) else free).append((i, r))
+                (held if self.constraints.holds(r.run.job.key) else free).append((i, r))
         done = self._record(step, tokens, free)
         if held:
-            failed = self._constraints.failures()
+            failed = self.constraints.failures()
             for _, r in held:
                 if (k := r.run.job.key) in failed:
-                    done += self._finish(r.slot, "error", failed[k])
+                    done += self.batch.finish(r.slot, "error", failed[k])
             done += self._record(
                 step, tokens, [(i, r) for i, r in held if r.run.job.key not in failed]
             )
@@ -219,12 +213,13 @@ class Stepping:
         """Record the ``live`` rows' tokens (index in the step, row); finish those that ended."""
         if not live:
             return []
+        b = self.batch
         done: list[Completion] = []
         # (Output tokens, as results count them: an EOS ends a row and is not output.)
-        self._stats.generated_tokens += sum(tokens[i] not in self._eos for i, _ in live)
+        b.stats.generated_tokens += sum(tokens[i] not in b.eos for i, _ in live)
         # (No row asking for logprobs: no row to look at for them.)
-        lp = step.picked_logprobs(tokens, live, self._eos) if self._rows.logprobs else {}
-        now, eos = time.time(), self._eos
+        lp = step.picked_logprobs(tokens, live, b.eos) if b.rows.logprobs else {}
+        now, eos = time.time(), b.eos
         for i, row in live:
             token, run = tokens[i], row.run
             if run.first_token_at is None:
@@ -240,31 +235,9 @@ class Stepping:
             if reason is None and len(run.tokens) >= row.max_tokens:
                 reason = "length"
             if reason is not None:
-                done += self._finish(row.slot, reason)
+                done += b.finish(row.slot, reason)
             else:
                 row.next_input = token
                 if row.stream:
-                    run.stream_update(self.tokenizer, self._chunks)
+                    run.stream_update(b.tokenizer, b.chunks)
         return done
-
-    def _finish(
-        self, slot: int, reason: FinishReason, error: str | None = None
-    ) -> list[Completion]:
-        """End the row in ``slot``: its job's Completion, or none while other samples of
-        its job still run (:mod:`~mlxq.engine.slots.samples`)."""
-        row = self._rows.pop(slot)
-        run = row.run
-        del self._keys[run.job.key]
-        self._cache.free(slot)  # bookkeeping only
-        for hook in self.hooks:
-            hook.release(run.job.key)
-        if run.plan is not None:
-            run.plan.release()
-        done = run.finish(reason, self.tokenizer, self._chunks, error)
-        if row.samples is None:
-            return [done]
-        whole = row.samples.finished(row.index, done)
-        if whole is None:
-            return []
-        del self._samples[row.samples.key]
-        return [whole]

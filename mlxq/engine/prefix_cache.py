@@ -43,7 +43,6 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -51,8 +50,10 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxq.wire import ModelInfo
 
-log = logging.getLogger("mlxq.engine.slots.prefix_cache")
+log = logging.getLogger("mlxq.engine.prefix_cache")
 Block = tuple[int, ...]
+# One block's keys and values, per layer.
+BlockKV = list[tuple[mx.array, mx.array]]
 DEFAULT_BLOCK = 16
 
 
@@ -61,7 +62,7 @@ class _Node:
     key: Block
     parent: _Node | None
     children: dict[Block, _Node] = field(default_factory=dict)
-    kv: Any = None  # per layer (keys, values); None while pending
+    kv: BlockKV | None = None  # None while pending
     nbytes: int = 0
     pending: bool = True
 
@@ -209,7 +210,7 @@ class PrefixCache:
             self._touch(reused)
         return Plan(self, reused, store, k * b if store else 0)
 
-    def fill(self, plan: Plan, payloads: list[tuple[Any, int]]) -> None:
+    def fill(self, plan: Plan, payloads: list[tuple[BlockKV, int]]) -> None:
         """Store the plan's pending blocks: one ``(kv, nbytes)`` each, then evict."""
         for node, (kv, nbytes) in zip(plan.store, payloads, strict=True):
             node.kv, node.nbytes, node.pending = kv, nbytes, False
@@ -268,7 +269,7 @@ class PrefixCache:
         self.seconds += time.perf_counter() - tic
         return cache
 
-    def store(self, plan: Plan, cache: list[Any], tokens: list[int], prompt: list[int]) -> None:
+    def store(self, plan: Plan, cache: list[KVCache], tokens: list[int], prompt: list[int]) -> None:
         """Copy the plan's pending blocks out of a job's cache, which holds ``tokens``."""
         if not plan.store:
             return

@@ -1,5 +1,7 @@
-"""One decode step over the slot cache: inputs, forward, per-row processors, hooks, sampling.
+"""One decode step over the slot cache: its rows, inputs, forward, processors, hooks, sampling.
 
+No engine state here: :class:`Row` (a decoding job) and :class:`Step` (a launched
+step) are what the :class:`~mlxq.engine.slots.decoder.Decoder` holds between calls.
 :func:`run_forward` and :func:`sample_step` build and start a step (``mx.async_eval``)
 without waiting for it; the engine does the previous step's bookkeeping (tokens to the
 host, stop strings, finishes) while this one computes, so the device does not idle
@@ -17,10 +19,10 @@ context; batch hooks advance matchers) hand the hooks the previous step's tokens
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from operator import attrgetter
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,62 +31,14 @@ from mlxq.engine.protocol import BatchLogitsHook
 from mlxq.engine.sampling import RunningJob, Sampler, token_logprobs
 from mlxq.engine.slots.attention import Kernel
 from mlxq.engine.slots.cache import DecodeState, SlotCache, SlotLayer
-from mlxq.engine.slots.samples import Samples
+from mlxq.engine.slots.compiled import CompiledForward
+from mlxq.engine.slots.n_samples import Samples
 from mlxq.wire import TokenLogprob
 
 # Rows per attention group (each attends up to its own longest row).
 GROUP_ROWS = 64
-
-
-class TraceFailed(RuntimeError):
-    """The compiled forward could not trace a step (its cause chained); the cache is as it
-    was, so the step can run eagerly instead."""
-
-
-class CompiledForward:
-    """The model's decode forward over every slot of a cache, through ``mx.compile``.
-
-    Traced once per cache shape (rows and capacity grow in steps), replayed by MLX without Python
-    for every step in between: fixed shapes (all slots, attention over the whole capacity,
-    each row masked to its length) replace hundreds of Python op calls by one (2.4 against
-    5.7 ms to build a 1B step on this CPU), and fused elementwise kernels cut the launches:
-    the CUDA default (1.16-1.20x the gen tok/s on the H200; 1.36x on 8B). The cache's arrays are the
-    compiled function's state, so its writes land in them as in the eager step.
-    """
-
-    def __init__(self, model: nn.Module, cache: SlotCache, kernel: Kernel) -> None:
-        def forward(tokens: mx.array, positions: mx.array) -> mx.array:
-            span = cache.capacity  # traced again whenever the capacity (a state shape) grows
-            mask = (mx.arange(span)[None] <= positions[:, None])[:, None, None, :]
-            state = DecodeState(positions, [(0, cache.rows, span)], [mask], kernel)
-            layers = [SlotLayer(cache, i, state) for i in range(cache.num_layers)]
-            return model(tokens[:, None], cache=layers)[:, -1, :]
-
-        state = [cache.keys, cache.values]  # lists the cache mutates in place
-        self._cache = cache
-        _evaluate_private_arrays(model)
-        self._fn = mx.compile(forward, inputs=state, outputs=state)
-
-    def __call__(self, tokens: mx.array, positions: mx.array) -> mx.array:
-        """Logits ``[slots, vocab]`` of one decode step; writes each row's new key/value.
-        Raises :class:`TraceFailed` (the cache left as it was) if tracing fails."""
-        keys, values = list(self._cache.keys), list(self._cache.values)
-        try:
-            return self._fn(tokens, positions)
-        except Exception as e:
-            # A failed trace leaves its tracers in the cache's lists: put the arrays back.
-            self._cache.keys[:], self._cache.values[:] = keys, values
-            raise TraceFailed(str(e)) from e
-
-
-def _evaluate_private_arrays(model: nn.Module) -> None:
-    """Compute the model's arrays that are not parameters (mlx-lm's Llama 3, YaRN and
-    su-scaled RoPE build ``_freqs`` lazily at init): a trace would otherwise capture
-    their computation and redo it every step (16 kernels a step on a Llama 3.2 1B)."""
-    arrays = model.filter_and_map(
-        lambda _m, _k, v: isinstance(v, mx.array | dict | list | nn.Module)
-    )
-    mx.eval(arrays)
+# A per-row logits processor (mlx-lm's): (the row's tokens so far, its logits) -> logits.
+Processor = Callable[[mx.array, mx.array], mx.array]
 
 
 @dataclass(eq=False)
@@ -95,7 +49,7 @@ class Row:
     run: RunningJob
     slot: int
     sampler: Sampler
-    processors: list[Any]
+    processors: list[Processor]
     next_input: int  # the host copy; the step in flight may hold a newer one on the device
     samples: Samples | None = None  # its job's samples, if it is one of several
     index: int = 0  # which sample of them
@@ -258,7 +212,7 @@ def move_rows(rows: dict[int, Row], order: list[int]) -> dict[int, Row]:
 
 def relayed_step(rows: list[Row], vocab: int, hooks: list[BatchLogitsHook]) -> Step:
     """A step of a pipeline stage that does not sample: its tokens come from the rank that
-    does (:meth:`~mlxq.engine.slots.engine.SlotEngine.deliver`); its logprobs are zeros
+    does (:meth:`~mlxq.engine.slots.decoder.Decoder.deliver`); its logprobs are zeros
     (that rank writes the results). The stage's forward has started its send already.
     The hooks still see the step (a constraint's masks, filled on the host, can find a
     job's grammar failed: the same on every rank); their logits are never computed."""

@@ -1,7 +1,7 @@
 """A job of ``n`` samples in the slot engine: one prompt, prefilled once, decoded in n rows.
 
 The job's prompt is prefilled as one row of its group; its keys and values are written
-into each of its ``n`` slots (:mod:`mlxq.engine.slots.joining`). From there every sample is
+into each of its ``n`` slots (:mod:`mlxq.engine.slots.joiner`). From there every sample is
 a row of its own: its own :class:`~mlxq.engine.sampling.RunningJob` under the key
 ``"<job key>#<i>"`` (hooks such as constraints hold a matcher per sample), its own
 sampler seeded ``seed + i``, its own stop strings and finish. :class:`Samples` gathers
@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mlxq.engine.sampling import Completion, EngineJob, RunningJob
 from mlxq.wire import Choice, FinishReason
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
 def sample_key(key: str, index: int) -> str:
@@ -43,7 +46,7 @@ class Samples:
         """How many samples the job asked for."""
         return self.run.job.request.n
 
-    def start(self, index: int, tokenizer: Any) -> RunningJob:
+    def start(self, index: int, tokenizer: TokenizerWrapper) -> RunningJob:
         """The running record of sample ``index`` (admitted when the job was)."""
         job = EngineJob(sample_key(self.key, index), self.run.job.request)
         run = RunningJob.start(job, self.run.prompt, tokenizer, self.run.admitted_at)
