@@ -105,7 +105,7 @@ def _as_request(obj: Request | Mapping[str, Any], index: int) -> Request:
         except msgspec.ValidationError as e:
             raise ValueError(f"request {index}: {e}") from e
     if req.response_format is not None:
-        from mlxq.formats.constraints import constraint_problem
+        from mlxq.engine.constraints.grammar import constraint_problem
 
         if problem := constraint_problem(req.response_format):
             raise ValueError(f"request {index}: {problem}")

@@ -11,7 +11,7 @@ import re
 import pytest
 from test_constraints import LARK, PERSON, REGEX, SCHEMA
 
-from mlxq.formats.constraints import constraint_problem
+from mlxq.engine.constraints.grammar import constraint_problem
 from mlxq.formats.inputs import parse_lines
 from mlxq.wire import (
     GrammarFormat,

@@ -16,9 +16,9 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from mlxq.engine.constraints.batch import ConstraintBatch, Grammars, make_lltokenizer
+from mlxq.engine.constraints.grammar import grammar_of
 from mlxq.engine.constraints.slot_hook import ConstraintHook
 from mlxq.engine.mlx_lm_batch import BatchGeneratorEngine, Completion, EngineJob
-from mlxq.formats.constraints import grammar_of
 from mlxq.wire import (
     GrammarFormat,
     JsonObjectFormat,

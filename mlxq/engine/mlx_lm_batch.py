@@ -26,6 +26,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
 from mlxq.engine.constraints.batch import logits_width
+from mlxq.engine.constraints.grammar import ConstraintError
 from mlxq.engine.constraints.mlx_lm_hook import BatchGeneratorConstraints
 from mlxq.engine.models.facts import model_info
 from mlxq.engine.prefix_cache import Plan, make_prefix_cache
@@ -40,7 +41,6 @@ from mlxq.engine.sampling import (
     token_logprobs,
 )
 from mlxq.engine.stats import EngineStats, add_work
-from mlxq.formats.constraints import ConstraintError
 from mlxq.wire import FinishReason, Request, TokenLogprob
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from mlxq.formats.constraints import constraint_problem
+from mlxq.engine.constraints.grammar import constraint_problem
 from mlxq.formats.input_errors import InvalidLine, explain
 from mlxq.wire import Message, Request, ResponseFormat
 

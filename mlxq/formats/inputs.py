@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 
 import msgspec
 
-from mlxq.formats.constraints import constraint_problem
+from mlxq.engine.constraints.grammar import constraint_problem
 from mlxq.formats.defaults import RequestDefaults, given_fields
 from mlxq.formats.input_errors import (
     InvalidLine,

@@ -14,8 +14,8 @@ from typing import Any
 
 import msgspec
 
+from mlxq.engine.constraints.grammar import constraint_problem
 from mlxq.formats import openai_responses as responses
-from mlxq.formats.constraints import constraint_problem
 from mlxq.formats.input_errors import InvalidLine, explain, fields_named, show
 from mlxq.formats.openai_responses import EMBEDDINGS_URL, RESPONSES_URL
 from mlxq.wire import Request

@@ -3,7 +3,7 @@
 OpenAI's ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}`` and
 ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``, and mlxq's
 ``{"type": "regex", "pattern": "..."}`` and ``{"type": "grammar", "lark": "..."}``. These
-types check the shape only; :mod:`mlxq.formats.constraints` compiles the content.
+types check the shape only; :mod:`mlxq.engine.constraints.grammar` compiles the content.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlxq.engine.constraints.device_masks import DeviceMasks
+from mlxq.engine.constraints.grammar import ConstraintError, constraint_key, grammar_of
 from mlxq.engine.constraints.mask_table import distinct_rows
-from mlxq.formats.constraints import ConstraintError, constraint_key, grammar_of
 from mlxq.wire import ResponseFormat
 
 _CACHE_SIZE = 256

@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxq.engine.constraints.batch import ConstraintBatch, Grammars, Prepared, logits_width
-from mlxq.formats.constraints import ConstraintError
+from mlxq.engine.constraints.grammar import ConstraintError
 
 
 class ConstraintHook:
