@@ -12,25 +12,13 @@ import click
 import redis
 
 from mlxq.broker import fleet, keys
-from mlxq.cli.support import connect, describe_url, redis_errors, redis_option
+from mlxq.cli.support import age, connect, describe_url, redis_errors, redis_option
 from mlxq.wire import WorkerInfo, json_encoder
 
 
 # -- formatting ------------------------------------------------------------------------
 def _gib(n: int) -> str:
     return f"{n / 2**30:.1f}G"
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f}m"
-    if seconds < 2 * 86400:
-        return f"{seconds / 3600:.1f}h"
-    return f"{seconds / 86400:.1f}d"
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:
@@ -106,7 +94,7 @@ def format_queues(queues: Sequence[fleet.QueueInfo]) -> str:
             str(qi.started),
             str(qi.finished),
             str(qi.failed),
-            _age(qi.oldest_age_s),
+            age(qi.oldest_age_s),
             str(qi.workers),
         ]
         for qi in queues

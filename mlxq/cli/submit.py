@@ -19,7 +19,7 @@ from mlxq.cli.results import (
     wait_with_progress,
     write_output,
 )
-from mlxq.cli.support import connect, fail, priority_option, progress_bar, redis_option
+from mlxq.cli.support import age, connect, fail, priority_option, progress_bar, redis_option
 from mlxq.cli.tables import input_options
 from mlxq.formats.tables import InputOptions
 from mlxq.wire import BatchInfo, BatchModel, json_encoder
@@ -243,7 +243,7 @@ def _check_served(
         )
     for m in recent:
         at = routing.last_seen(workers, m, model)
-        when = f", last seen {_ago(time.time() - at)} ago" if at is not None else ""
+        when = f", last seen {age(max(0.0, time.time() - at))} ago" if at is not None else ""
         click.echo(
             f"note: no live worker serves {routing.describe([m], model)} now; they wait for "
             f"the workers that did{when}",
@@ -260,17 +260,6 @@ def _check_served(
             f"{', '.join(map(repr, runs))}, so their answers will mix models; {pins}",
             err=True,
         )
-
-
-def _ago(seconds: float) -> str:
-    s = max(0.0, seconds)
-    if s < 120:
-        return f"{s:.0f} s"
-    if s < 7200:
-        return f"{s / 60:.0f} min"
-    if s < 2 * 86400:
-        return f"{s / 3600:.0f} h"
-    return f"{s / 86400:.0f} days"
 
 
 _BATCH_SETTINGS = (

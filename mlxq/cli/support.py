@@ -262,3 +262,16 @@ def check_port_free(host: str, port: int, option: str) -> None:
                 f"cannot listen on {host}:{port} ({cause}): stop what uses it, or pick "
                 f"another {option}"
             ) from e
+
+
+def age(seconds: float | None) -> str:
+    """A duration as people read an age: ``45s``, ``12m``, ``3.5h``, ``2.0d`` (``-``: none)."""
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.1f}d"

@@ -28,3 +28,14 @@ def start(
     yield _start
     for worker in started:
         worker.stop()
+
+
+@pytest.fixture(scope="session")
+def two_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """Two tiny random-weight models of different names and weights: alpha and beta."""
+    from mlxq.engine.models.make import make_model
+
+    root = tmp_path_factory.mktemp("two-models")
+    return str(make_model(root / "alpha", "tiny", seed=1)), str(
+        make_model(root / "beta", "tiny", seed=2)
+    )

@@ -65,16 +65,6 @@ def test_a_job_naming_another_model_is_failed_not_run_on_this_one(start, conn, t
         assert result.model == tiny_model and result.error is None
 
 
-@pytest.fixture(scope="module")
-def two_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    from mlxq.engine.models.make import make_model
-
-    root = tmp_path_factory.mktemp("named-models")
-    return str(make_model(root / "alpha", "tiny", seed=1)), str(
-        make_model(root / "beta", "tiny", seed=2)
-    )
-
-
 def test_a_worker_of_two_models_moves_a_job_to_the_model_it_names(
     two_models: tuple[str, str], valkey_url: str, conn: redis.Redis, tmp_path: Path
 ):

@@ -29,17 +29,6 @@ PROMPT = "The same prompt for every job:"
 SWITCHED = re.compile(r"switched model from (\S+) to (\S+) in [0-9.]+s: .+")
 
 
-@pytest.fixture(scope="module")
-def two_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    """Two tiny random-weight models of different names and weights: alpha and beta."""
-    from mlxq.engine.models.make import make_model
-
-    root = tmp_path_factory.mktemp("two-models")
-    return str(make_model(root / "alpha", "tiny", seed=1)), str(
-        make_model(root / "beta", "tiny", seed=2)
-    )
-
-
 def _submit(conn: redis.Redis, queue: str, n: int) -> str:
     reqs = [Request(prompt=PROMPT, max_tokens=6, custom_id=f"{queue}{i}") for i in range(n)]
     return broker_batches.submit(conn, reqs, queue=queue).batch_id

@@ -107,17 +107,6 @@ def test_a_frozen_worker_woken_with_a_sigterm_waiting_puts_back_nothing_done(sta
     assert "put job" not in a.log.read_text()  # every job it held was done elsewhere
 
 
-@pytest.fixture(scope="module")
-def two_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    """Two tiny random-weight models of different names: alpha and beta."""
-    from mlxq.engine.models.make import make_model
-
-    root = tmp_path_factory.mktemp("sleep-models")
-    return str(make_model(root / "alpha", "tiny", seed=1)), str(
-        make_model(root / "beta", "tiny", seed=2)
-    )
-
-
 def test_a_frozen_worker_of_two_models_woken_mid_switch_runs_none_twice(
     two_models: tuple[str, str], valkey_url: str, conn: redis.Redis, tmp_path: Path
 ):
