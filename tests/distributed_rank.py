@@ -1,4 +1,4 @@
-"""One process of the distributed engine tests (tests/test_distributed.py).
+"""One process of the distributed engine tests (tests/engine/test_distributed.py).
 
 ``python distributed_rank.py MODEL OUT.json [TEMPERATURE [tensor|pipeline]]`` runs the
 same jobs (joining and finishing mid-batch: more jobs than rows, varied prompts and

@@ -4,7 +4,7 @@ The :class:`~mlxq.engine.runner.Runner` and the worker use an engine only throug
 :class:`BatchEngine`. Three implementations satisfy it: the slot engine
 (:mod:`mlxq.engine.slots.engine`, the default), the ``BatchGenerator`` engine
 (:mod:`mlxq.engine.mlx_lm_batch`, the fallback for caches the slot engine cannot hold)
-and the model-free stub of ``bench/queue_overhead.py``. ``tests/test_protocol.py``
+and the model-free stub of ``bench/queue_overhead.py``. ``tests/engine/test_slot_engine.py``
 checks all three against it.
 
 Threading: ``encode`` and ``info`` are pure (any thread); everything else is called from

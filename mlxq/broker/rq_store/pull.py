@@ -9,7 +9,7 @@ the right of its intermediate list, as RQ's one-queue path does), so from the mo
 leaves its queue it is in a list that ``recovery.requeue_stranded`` sweeps. The paths are
 the same on one queue and on several: one script that moves ids over all the worker's
 queues (:func:`take`), and, while idle, a blocking move on the first queue's RQ list
-(:func:`wait_move`); ``tests/test_intake.py`` runs each on one queue and on several.
+(:func:`wait_move`); ``tests/broker/test_intake.py`` runs each on one queue and on several.
 
 The order of a take is the same on any number of queues: the RQ lists, then the lanes,
 higher priorities strictly first over all the queues, and batches of one priority in turn,

@@ -1,7 +1,7 @@
 """Rank 0's pipeline engine alone (no other rank: its relay records what it would send):
 turns sent ahead with each call once, applied here when their turn runs; outputs equal to
 mlx-lm's greedy; a cancel comes out of ``step()``; a key twice is refused. The ranks together:
-tests/test_distributed.py."""
+tests/engine/test_distributed.py."""
 
 from __future__ import annotations
 

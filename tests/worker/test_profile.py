@@ -8,7 +8,7 @@ import pytest
 
 from mlxq.worker.profile import ProfileError, WorkerProfile, load_profile, merge
 
-WORKERS = Path(__file__).resolve().parent.parent / "workers"
+WORKERS = Path(__file__).resolve().parents[2] / "workers"
 
 
 @pytest.mark.parametrize("path", sorted(WORKERS.glob("*.toml")), ids=lambda p: p.name)

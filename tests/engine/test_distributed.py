@@ -26,7 +26,7 @@ from mlxq.engine.distributed.start import Hello, mismatch
 from mlxq.wire import Request
 from tests.helpers import ROOT, Worker, free_port, run_mlxq
 
-RANK = Path(__file__).with_name("distributed_rank.py")
+RANK = Path(__file__).resolve().parents[1] / "distributed_rank.py"
 STALL_S = 20
 # How long past the stall timeout a rank may take to notice, put the jobs back and exit:
 # generous, as a loaded CI machine is slow at all of it (this bounds "it ends by itself",

@@ -22,7 +22,7 @@ from mlxq.formats.inputs import (
 )
 from mlxq.wire import Message, Request, json_encoder
 
-DATA = Path(__file__).parent / "data" / "inputs"
+DATA = Path(__file__).resolve().parents[1] / "data" / "inputs"
 BAD = DATA / "bad"
 BAD_CASES = sorted(p.stem for p in BAD.glob("*.jsonl"))
 

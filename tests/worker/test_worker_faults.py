@@ -18,7 +18,7 @@ from mlxq.wire import Request
 from mlxq.worker.launch import run_worker
 from mlxq.worker.profile import WorkerProfile
 
-BAD = Path(__file__).parent / "data" / "inputs" / "bad"
+BAD = Path(__file__).resolve().parents[1] / "data" / "inputs" / "bad"
 CORPUS = [
     "out_of_range",
     "wrong_types",

@@ -17,7 +17,7 @@ from mlxq.worker.launch import run_worker
 from mlxq.worker.profile import WorkerProfile
 from tests.helpers import waiting
 
-PACKAGE = Path(__file__).resolve().parent.parent / "mlxq"
+PACKAGE = Path(__file__).resolve().parents[2] / "mlxq"
 RQ_STORE = PACKAGE / "broker" / "rq_store"
 
 

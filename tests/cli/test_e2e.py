@@ -15,7 +15,7 @@ from tests.helpers import waiting
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_mixed(path: Path, model: str) -> list[dict]:

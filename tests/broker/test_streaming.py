@@ -13,7 +13,7 @@ from mlxq.wire import Request
 from mlxq.worker.launch import run_worker
 from mlxq.worker.profile import WorkerProfile
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_stream_carries_the_whole_output_in_order(conn, valkey_url, tiny_model):
