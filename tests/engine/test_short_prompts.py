@@ -101,16 +101,16 @@ def test_a_one_token_prompt_joins_a_batch_mid_decode(tiny, kind: str) -> None:
     _check(tiny, engine, {**long, **one}, done)
 
 
-@pytest.mark.parametrize("cuda_defaults", [False, True])
+@pytest.mark.parametrize("cuda_defaults", [False, True], ids=["cpu-choices", "cuda-choices"])
 def test_one_token_prompts_with_the_gpu_choices_and_a_prefix_cache(
     tiny, monkeypatch: pytest.MonkeyPatch, cuda_defaults: bool
 ) -> None:
     """Bucketed prefill shapes, the compiled forward and overlapped steps (the CUDA
     defaults), and a prefix cache: a lone one-token job still allocates the cache."""
     model, tokenizer = tiny
-    if cuda_defaults:
-        for env in (slot_choices.BUCKETS_ENV, slot_choices.COMPILE_ENV, slot_choices.OVERLAP_ENV):
-            monkeypatch.setenv(env, "1")
+    # Each setting named either way, so the case runs the same on any backend.
+    for env in (slot_choices.BUCKETS_ENV, slot_choices.COMPILE_ENV, slot_choices.OVERLAP_ENV):
+        monkeypatch.setenv(env, "1" if cuda_defaults else "0")
     engine = SlotEngine.from_loaded(
         model, tokenizer, "tiny", max_batch=4, prefix_cache_bytes=1 << 22
     )
