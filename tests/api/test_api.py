@@ -172,7 +172,7 @@ def test_a_cancel_runs_once_on_its_own_thread_and_reads_never_wait_on_it(
     answers (no worker starts one of its jobs), and no read waits for the slow part."""
     from mlxq.api import batches as api_batches
 
-    cancel_batch, ended = api_batches.q.cancel_batch, []
+    cancel_batch, ended = api_batches.batches.cancel_batch, []
 
     def slow_cancel(conn_, mlxq_id, stop_running=True):
         if stop_running:  # (the end's; finalization's own look passes False)
@@ -180,7 +180,7 @@ def test_a_cancel_runs_once_on_its_own_thread_and_reads_never_wait_on_it(
             time.sleep(3)
         return cancel_batch(conn_, mlxq_id, stop_running)
 
-    monkeypatch.setattr(api_batches.q, "cancel_batch", slow_cancel)
+    monkeypatch.setattr(api_batches.batches, "cancel_batch", slow_cancel)
     batch = create(client, upload(client, [completion_line(f"r{i}", "Hi") for i in range(3)]))
     mlxq_id = json.loads(conn.get(rk.batch_record(batch.id)))["mlxq_batch_id"]
 
