@@ -94,10 +94,13 @@ def work_burst(worker: Any) -> tuple[float, float]:
     return loop_end - start, end - loop_end
 
 
-def median_seconds(build: Callable[[], Any], repeat: int, chain: int = 1, warmup: int = 1) -> float:
+def median_seconds(
+    build: Callable[[], Any], repeat: int, chain: int = 1, warmup: int = 1, quartile: bool = False
+) -> float:
     """Median seconds of one ``build()``: its graph launched ``chain`` times per
     evaluation (so the device, not the host's launch, sets the time), after ``warmup``
-    evaluations outside the timing."""
+    evaluations outside the timing. ``quartile``: the lower quartile instead (on a shared
+    machine others' work only ever slows a run down)."""
     import mlx.core as mx
 
     for _ in range(warmup):
@@ -107,6 +110,8 @@ def median_seconds(build: Callable[[], Any], repeat: int, chain: int = 1, warmup
         tic = time.perf_counter()
         mx.eval([build() for _ in range(chain)])
         times.append((time.perf_counter() - tic) / chain)
+    if quartile:
+        return sorted(times)[len(times) // 4]
     return statistics.median(times)
 
 
@@ -183,13 +188,51 @@ def preset_tokenizer() -> Any:
     return TokenizerWrapper(hf, BPEStreamingDetokenizer, eos_token_ids=EOS_IDS)
 
 
-def load_as_worker(model: str) -> tuple[Any, Any, Any]:
+def load_as_worker(model: str, dequantize: str = "auto") -> tuple[Any, Any, Any]:
     """``(model, tokenizer, device facts)``: a folder, hub id or ``.gguf`` file loaded as
-    ``mlxq worker --model`` loads it (converted, weights in the format this backend picks)."""
+    ``mlxq worker --model`` loads it (converted, weights in the format this backend picks,
+    or as ``dequantize`` forces: ``--dequantize on|off``)."""
     from mlxq.engine.hardware import device_facts
     from mlxq.engine.models.source import load_model, resolve_model
     from mlxq.engine.models.weights import prepare_weights
 
     loaded, tokenizer = load_model(model, resolve_model(model))
     facts = device_facts()
-    return prepare_weights(loaded, facts.backend, facts.memory_bytes, "auto"), tokenizer, facts
+    return prepare_weights(loaded, facts.backend, facts.memory_bytes, dequantize), tokenizer, facts
+
+
+def peak_rss_bytes(pid: int | str = "self") -> int | None:
+    """A process's peak resident set (``VmHWM`` of ``/proc/PID/status``), None where
+    there is no such file (not Linux, the process gone)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def reset_peak_rss(pid: int | str = "self") -> bool:
+    """Set a process's peak resident set back to its current one (Linux: ``5`` into
+    ``/proc/PID/clear_refs``; this user's processes only); False where that fails."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def git_commit() -> str:
+    """``git rev-parse --short HEAD`` of the checkout, or ``unknown``."""
+    import subprocess
+
+    done = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=Path(__file__).parent,
+    )
+    return done.stdout.strip() or "unknown"

@@ -205,11 +205,15 @@ def test_llama_server_bench_builds_the_same_requests_and_a_side_by_side_table() 
     assert body["cache_prompt"] is False  # rounds must not find the last round's prompts
     assert context_size([100, 1480], [256, 64], slots=16) == 16 * 1792
 
-    mlxq = [SideRun("mlxq", 10.0, 1000, 500, 3_000_000_000), SideRun("mlxq", 20.0, 1000, 500)]
-    llama = [SideRun("llama-server", 5.0, 1000, 500, 1_000_000_000, eos=7)] * 2
+    mlxq = [
+        SideRun("mlxq", 10.0, 1000, 500, 3_000_000_000, cpu_s=20.0),
+        SideRun("mlxq", 20.0, 1000, 500, cpu_s=20.0),
+    ]
+    llama = [SideRun("llama-server", 5.0, 1000, 500, 1_000_000_000, eos=7, cpu_s=10.0)] * 2
     out = side_table(mlxq, llama)
     ratio = out.splitlines()[-1].split()
     assert ratio[:3] == ["mlxq", "/", "llama-server"]
-    # medians: mlxq 37.5 gen tok/s (50 and 25), llama 100; RSS: the most of any round
-    assert ratio[3:5] == ["0.38x", "0.38x"] and ratio[-1] == "3.00x"
+    # medians: mlxq 37.5 gen tok/s (50 and 25), llama 100; RSS: the most of any round;
+    # tokens per CPU second 25 against 50
+    assert ratio[3:5] == ["0.38x", "0.38x"] and ratio[-2:] == ["3.00x", "0.50x"]
     assert "50.0 25.0" in out and "   7   " in out
