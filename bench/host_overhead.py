@@ -20,6 +20,13 @@ time) of the largest size's run.
 ``MLXQ_SLOT_OVERLAP=1`` (and ``MLXQ_SLOT_COMPILE=1``) build each step as on CUDA; the CPU
 default waits for each step before the next (``--cuda-like`` sets both).
 
+``--preset NAME`` runs a random-weight preset (``llama-3.2-1b`` on a GPU) instead of
+``tiny``, in the weight format the worker would pick; ``--uniform P,O`` gives every job
+a prompt of P tokens and O output tokens (EOS never ends them: the steady batch). With
+``--profile``, MLX's own launch (``mx.async_eval`` and ``mx.eval`` from the engine: the
+graph handed to MLX and its kernels launched) is its own line, ``mlx_launch``, so the
+profile parts the step's host time into MLX's and the engine's Python.
+
 Usage: ``python bench/host_overhead.py --rows 256,1024 --cuda-like [--profile 25]``
 """
 
@@ -40,11 +47,20 @@ from typing import Any
 from common import fmt_num, quiet_logs, table, use_openblas
 
 
-def requests(count: int, mix: float, seed: int) -> list[Any]:
-    """``count`` greedy requests of varied prompt and output lengths (``mix``: see above)."""
+def requests(
+    count: int, mix: float, seed: int, uniform: tuple[int, int] | None = None
+) -> list[Any]:
+    """``count`` greedy requests of varied prompt and output lengths (``mix``: see above),
+    or all of ``uniform`` (prompt, output) tokens."""
     from mlxq.wire import Request
 
     rng = random.Random(seed)
+    if uniform is not None:
+        prompt, output = uniform
+        return [
+            Request(prompt=[rng.randrange(3, 250) for _ in range(prompt)], max_tokens=output)
+            for _ in range(count)
+        ]
     out = []
     for _ in range(count):
         extra: dict[str, Any] = {}
@@ -64,8 +80,10 @@ def run(model: Any, tokenizer: Any, rows: int, args: argparse.Namespace) -> dict
     from mlxq.engine.sampling import EngineJob
     from mlxq.engine.slots.engine import SlotEngine
 
-    engine = SlotEngine(model, tokenizer, "tiny", max_batch=rows, prefill_batch=args.prefill)
-    jobs = requests(rows * args.jobs_per_row, args.mix, args.seed)
+    engine = SlotEngine(model, tokenizer, args.preset, max_batch=rows, prefill_batch=args.prefill)
+    if args.uniform:
+        engine.batch.eos = set()  # (random weights: EOS would end rows at random steps)
+    jobs = requests(rows * args.jobs_per_row, args.mix, args.seed, args.uniform)
     queued = list(enumerate(jobs))[::-1]
     joins = [0.0]
     join = engine._join
@@ -103,6 +121,44 @@ def run(model: Any, tokenizer: Any, rows: int, args: argparse.Namespace) -> dict
     }
 
 
+def load(preset: str) -> tuple[Any, Any]:
+    """The preset's random-weight model and tokenizer (``tiny`` through a folder, as the
+    tests load it; a larger one in memory, its weights bf16 or float32 as the preset says)."""
+    import mlx_lm
+
+    from mlxq.engine.models.make import build_model, make_model
+
+    if preset == "tiny":
+        with tempfile.TemporaryDirectory() as tmp:
+            return mlx_lm.load(str(make_model(Path(tmp) / "tiny", "tiny")))[:2]
+    from common import preset_tokenizer
+
+    return build_model(preset)[0], preset_tokenizer()
+
+
+def split_launch() -> None:
+    """Route the engine's ``mx.async_eval`` and ``mx.eval`` through a Python function of
+    their own, so cProfile shows MLX's launch (and the waits in it) apart from our code."""
+    import mlx.core as mx
+
+    from mlxq.engine.slots import decoder, joiner, step
+
+    launch, evaluate = mx.async_eval, mx.eval
+
+    def mlx_launch(*arrays: Any) -> None:
+        launch(*arrays)
+
+    def mlx_eval(*arrays: Any) -> None:
+        evaluate(*arrays)
+
+    shim = type("mx", (), {})()
+    for name in dir(mx):
+        setattr(shim, name, getattr(mx, name))
+    shim.async_eval, shim.eval = mlx_launch, mlx_eval
+    for module in (decoder, joiner, step):
+        module.mx = shim  # type: ignore[attr-defined]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="256,1024", help="batch sizes, comma-separated")
@@ -112,26 +168,34 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cuda-like", action="store_true", help="overlap and compile steps")
     parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument("--sort", default="tottime", help="the profile's order (pstats keys)")
+    parser.add_argument("--preset", default="tiny", help="a random-weight preset")
+    parser.add_argument(
+        "--uniform",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        metavar="P,O",
+        help="every job P prompt and O output tokens",
+    )
     args = parser.parse_args()
     if args.cuda_like:
         os.environ["MLXQ_SLOT_OVERLAP"] = os.environ["MLXQ_SLOT_COMPILE"] = "1"
     use_openblas()
     quiet_logs()
-    import mlx_lm
-
-    from mlxq.engine.models.make import make_model
-
-    with tempfile.TemporaryDirectory() as tmp:
-        model, tokenizer = mlx_lm.load(str(make_model(Path(tmp) / "tiny", "tiny")))
+    model, tokenizer = load(args.preset)
+    if args.profile:
+        split_launch()
     sizes = [int(s) for s in args.rows.split(",")]
     figures, profile = [], cProfile.Profile(time.thread_time)  # host time only
-    for rows in sizes:
-        if args.profile and rows == max(sizes):
+    for i, rows in enumerate(sizes):
+        if args.profile and i == len(sizes) - 1:  # (``--rows 256,256``: the first warms up)
             profile.enable()
         figures.append(run(model, tokenizer, rows, args))
         profile.disable()
     env = {k: os.environ.get(k, "-") for k in ("MLXQ_SLOT_OVERLAP", "MLXQ_SLOT_COMPILE")}
-    print(f"host time per decode step (tiny model, CPU; {env}, mix {args.mix})")
+    import mlx.core as mx
+
+    shape = f"uniform {args.uniform}" if args.uniform else f"mix {args.mix}"
+    print(f"host time per decode step ({args.preset}, {mx.default_device()}; {env}, {shape})")
     headers = ["rows", "steps", "full steps", "host ms/step", "µs/row", "mean ms (all)", "wall s"]
     print(
         table(
@@ -151,8 +215,8 @@ def main() -> None:
         )
     )
     if args.profile:
-        print(f"\ncProfile (main thread CPU time) of the {max(sizes)}-row run, its own cost in:")
-        pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(args.profile)
+        print(f"\ncProfile (main thread CPU time) of the last ({sizes[-1]}-row) run:")
+        pstats.Stats(profile, stream=sys.stdout).sort_stats(args.sort).print_stats(args.profile)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ evaluations after a warm-up):
 - ``sampling``: greedy argmax and the logsumexp a logprob needs, over the logits;
 - ``step``: the whole compiled decode step as the engine runs it, steps launched back
   to back without waiting (the engine's overlap), so its time is the larger of the
-  host's launch and the device's work.
+  host's launch and the device's work;
+- ``launch``: the host's CPU time in those launches, per step: what MLX alone costs the
+  host for one step, with no engine Python at all (the floor of an engine's host time).
 
 Each part is launched ``--chain`` times in one evaluation so that the device, not the
 host's launch, sets its time. ``floor`` adds the parts: the device time of a step with
@@ -100,9 +102,10 @@ def parts(
 
 def engine_step(
     model: Any, info: Any, rows: int, span: int, mean: int, kernel: str, steps: int
-) -> float:
+) -> tuple[float, float]:
     """Milliseconds per compiled decode step over ``rows`` rows of ~``mean`` tokens,
-    ``steps`` launched back to back (each feeding the next, no host wait)."""
+    ``steps`` launched back to back (each feeding the next, no host wait), and the host
+    CPU milliseconds of each step's launch."""
     import mlx.core as mx
 
     from mlxq.engine.hardware import backend_name
@@ -125,17 +128,20 @@ def engine_step(
     tokens = mx.zeros((rows,), dtype=mx.uint32)
     positions = mx.minimum(mx.random.randint(0, 2 * mean, (rows,)), span - 1)
 
-    def run(n: int) -> float:
+    def run(n: int) -> tuple[float, float]:
         nonlocal tokens
-        tic = time.perf_counter()
+        tic, host = time.perf_counter(), 0.0
         for _ in range(n):
+            cpu = time.thread_time()
             tokens = mx.argmax(forward(tokens, positions), axis=-1).astype(mx.uint32)
             mx.async_eval(tokens)
+            host += time.thread_time() - cpu
         mx.eval(tokens)
-        return (time.perf_counter() - tic) / n
+        return (time.perf_counter() - tic) / n, host / n
 
     run(3)
-    return run(steps) * 1e3
+    wall, host = run(steps)
+    return wall * 1e3, host * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,18 +168,20 @@ def main(argv: list[str] | None = None) -> int:
     info = model_info(model, args.preset, vocab_size=cfg["vocab_size"])
     h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     cost = Roofline(model, cfg, info.kv_bytes_per_token, args.mean_length, tflops, gbs)
-    head = ["rows", "matmuls", "lm head", "attention", "sampling", "floor", "step", "ideal"]
+    head = ["rows", "matmuls", "lm head", "attention", "sampling", "floor", "step", "launch"]
+    head.append("ideal")
     head.append("ideal us/token")
     out = []
     rows_arg = args.rows.split(",")
     for rows in map(int, rows_arg):
         p = parts(cfg, rows, args.span, args.mean_length, args.attention, args.repeat, args.chain)
-        step = engine_step(
+        step, launch = engine_step(
             model, info, rows, args.span, args.mean_length, args.attention, args.steps
         )
         ideal = cost.step_ms(rows)
         out.append([f"{rows:,}", *(fmt_num(p[k], 2) for k in head[1:5]),
-                    fmt_num(sum(p.values()), 2), fmt_num(step, 2), fmt_num(ideal, 2),
+                    fmt_num(sum(p.values()), 2), fmt_num(step, 2), fmt_num(launch, 2),
+                    fmt_num(ideal, 2),
                     fmt_num(ideal / rows * 1e3, 2)])  # fmt: skip
     print(
         f"{args.preset}: {layers} layers, hidden {h}, vocab {vocab:,}, bf16; span {args.span}, "
