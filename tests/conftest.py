@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from mlxq.server import make_server
-from tests.helpers import TEST_PRESET
+from tests.helpers import TEST_PRESET, Worker
 
 
 @pytest.fixture(scope="session")
@@ -22,6 +22,16 @@ def valkey_url() -> Iterator[str]:
         yield server.connection_url + "/0"
     finally:
         server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_worker_outlives_its_test() -> Iterator[None]:
+    """Stop the workers a test started and left running (it failed before its own stop):
+    a leaked worker would heartbeat into every later test's Redis."""
+    before = set(Worker.running)
+    yield
+    for worker in Worker.running - before:
+        worker.stop()
 
 
 @pytest.fixture

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 ROOT = Path(__file__).resolve().parent.parent
 # The preset of the tests' model folder (conftest's ``tiny_model_dir``, named for it):
@@ -67,7 +69,10 @@ def start_until(
 
 class Worker:
     """A long-lived ``mlxq worker`` process (never ``--burst`` unless ARGS say so), its
-    log in a file."""
+    log in a file. ``Worker.running`` holds those not stopped yet: conftest stops what a
+    failed test left, so one failure cannot leak a worker into the tests after it."""
+
+    running: ClassVar[set[Worker]] = set()
 
     def __init__(self, url: str, model: str, *args: str, log: Path) -> None:
         self.log = log
@@ -79,6 +84,7 @@ class Worker:
             stdout=log.open("w"),
             stderr=subprocess.STDOUT,
         )
+        Worker.running.add(self)
 
     def wait_listening(self, conn: Any, timeout: float = 120) -> None:
         """Until the worker has published itself (its model is loaded)."""
@@ -91,9 +97,17 @@ class Worker:
             time.sleep(0.1)
 
     def stop(self) -> str:
+        """SIGTERM (a frozen worker is woken to take it), then SIGKILL after a minute; its log."""
+        Worker.running.discard(self)
         if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(60)
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGCONT)
+                self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
         return self.log.read_text()
 
 

@@ -206,8 +206,8 @@ def test_a_hung_rank_0_makes_the_other_ranks_exit(
         assert time.monotonic() - stopped > STALL_S  # (not before rank 0's own patience)
     finally:
         os.kill(leader, signal.SIGCONT)
-    code = worker.wait(STALL_S + GRACE_S + 30)
-    err = worker.stderr.read() if worker.stderr else ""
+    code = _wait(worker)
+    err = _err(worker)
     assert code in (1, STALLED_EXIT), err
     assert "no word from rank 0" in err, err
     _run_elsewhere(tp_model, conn, valkey_url, batch, n)
@@ -240,26 +240,35 @@ def test_a_frozen_rank_0_woken_after_a_rescue_finished_its_jobs_runs_none_twice(
     tmp_path: Path,
 ):
     """Rank 0 frozen mid-batch (a Mac asleep) past every timeout; a one-process worker
-    takes its jobs back and finishes them; then rank 0 wakes, finds its peer gone and exits:
-    it puts back nothing that the rescue finished (every job keeps one result)."""
+    takes its jobs back and finishes them; then rank 0 wakes and puts back nothing that the
+    rescue finished (every job keeps one result). Its peer gone, it exits; where rank 1
+    still waited for it (a rescue faster than rank 1's patience), it serves on, whole."""
     n = 16
     batch = submit(conn, n, 1500)
     worker = tp_worker  # (started before the jobs, as users run it)
+    follower = _rank(worker.pid, 1)
     leader = _signal_mid_batch(conn, batch, worker, 0, signal.SIGSTOP)
     rescue = Worker(valkey_url, tp_model, log=tmp_path / "rescue.log")  # long-lived
-    try:  # it takes the jobs back once rank 0's heartbeats lapse (--abandon-after)
-        batches.wait_for_batch(conn, batch, timeout=300)
-    finally:
-        os.kill(leader, signal.SIGCONT)
-    code = worker.wait(STALL_S + GRACE_S + 30)
-    err = worker.stderr.read() if worker.stderr else ""
-    assert code in (0, 1, STALLED_EXIT), err
-    assert "were taken back while it was away" in err, err[-3000:]
-    time.sleep(1.0)
     try:
+        try:  # it takes the jobs back once rank 0's heartbeats lapse (--abandon-after)
+            batches.wait_for_batch(conn, batch, timeout=300)
+        finally:
+            os.kill(leader, signal.SIGCONT)
+        with contextlib.suppress(AssertionError):
+            _wait(worker)
+        err = _err(worker)
+        assert "were taken back while it was away" in err, err[-3000:]
+        time.sleep(1.0)
         once_each(conn, batch, n)  # nothing put back: no job runs again, or twice
     finally:
         rescue.stop()
+    if worker.poll() is not None:
+        assert worker.returncode in (0, 1, STALLED_EXIT), err
+        return
+    assert _alive(follower), f"rank 0 serves on without its peer:\n{err[-3000:]}"
+    probe = submit(conn, 2, 8)  # (the rescue is gone: only the woken worker can run it)
+    batches.wait_for_batch(conn, probe, timeout=120)
+    once_each(conn, probe, 2)
 
 
 def _signal_mid_batch(
@@ -268,7 +277,7 @@ def _signal_mid_batch(
     """Send ``sig`` to ``rank`` of the worker once the batch's jobs run; its pid."""
     pid = _rank(worker.pid, rank)
     while batches.batch_status(conn, batch).started == 0:
-        assert worker.poll() is None, worker.stderr.read() if worker.stderr else ""
+        assert worker.poll() is None, _err(worker)
         time.sleep(0.05)
     os.kill(pid, sig)
     return pid
@@ -279,8 +288,8 @@ def _jobs_back_on_exit(
 ) -> tuple[int, str]:
     """The worker's exit status and stderr, once it ended by itself within the stall
     timeout and its grace of ``since``, every job of the batch queued or finished."""
-    code = worker.wait(STALL_S + GRACE_S + 30)
-    err = worker.stderr.read() if worker.stderr else ""
+    code = _wait(worker)
+    err = _err(worker)
     assert time.monotonic() - since < STALL_S + GRACE_S, err
     status = batches.batch_status(conn, batch)
     assert status.started == 0 and status.queued + status.finished == n, (status, err)
@@ -316,27 +325,47 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(params=SPLITS)
 def tp_worker(
-    tp_model: str, valkey_url: str, request: pytest.FixtureRequest
+    tp_model: str, valkey_url: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> Iterator[subprocess.Popen]:
     """A long-lived `mlxq worker --hosts` of two ranks on this machine, tensor or pipeline
-    parallel (stderr piped); its whole process group is killed at the end, whatever the
-    test left running."""
+    parallel, its stderr in a file (a pipe nobody reads would fill and block the ranks);
+    its whole process group is killed at the end, whatever the test left running."""
     args = ["worker", "--model", tp_model, "--max-batch", "4", "-q", "default"]
     args += ["--stall-timeout", str(STALL_S), "--hosts", "127.0.0.1,127.0.0.1"]
     args += ["--parallel", request.param]
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "mlxq", *args],
-        cwd=ROOT,
-        env={**os.environ, "MLXQ_REDIS_URL": valkey_url},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    log = tmp_path / "tp-worker.log"
+    with log.open("w") as err:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "mlxq", *args],
+            cwd=ROOT,
+            env={**os.environ, "MLXQ_REDIS_URL": valkey_url},
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
+    LOGS[worker.pid] = log
     yield worker
     with contextlib.suppress(ProcessLookupError):
         os.killpg(worker.pid, signal.SIGKILL)
     worker.wait(30)
+
+
+LOGS: dict[int, Path] = {}
+
+
+def _err(worker: subprocess.Popen) -> str:
+    """What the ``tp_worker`` wrote to stderr so far."""
+    return LOGS[worker.pid].read_text()
+
+
+def _wait(worker: subprocess.Popen) -> int:
+    """The ``tp_worker``'s exit status, once it ended by itself (past the stall timeout
+    and its grace, it failed to: its log says where it was)."""
+    try:
+        return worker.wait(STALL_S + GRACE_S + 30)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"the worker did not exit:\n{_err(worker)[-4000:]}") from e
 
 
 def _rank(launcher: int, rank: int, timeout: float = 60) -> int:
