@@ -245,12 +245,14 @@ def _limit(raw: str | None, *, default: int, most: int) -> int:
 
 
 async def get_models(request: Request) -> Response:
-    models = await run_in_threadpool(list_models, _conn(request))
+    expected = _settings(request).expected_models
+    models = await run_in_threadpool(list_models, _conn(request), expected)
     return _json({"object": "list", "data": models})
 
 
 async def get_model_by_id(request: Request) -> Response:
-    return _json(await run_in_threadpool(get_model, _conn(request), _id(request)))
+    expected = _settings(request).expected_models
+    return _json(await run_in_threadpool(get_model, _conn(request), _id(request), expected))
 
 
 # -- responses ----------------------------------------------------------------------------

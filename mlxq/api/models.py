@@ -5,7 +5,8 @@ serves each), by the name that routes a line to it (``keys.queue_name_for_model`
 hub id's or folder's last component, a GGUF file's name without ``.gguf``), with its full
 ``source`` (hub id or path) and ``"status": "live"``, and the models workers served lately
 (``fleet.seen_models``) that no live worker serves now, ``"status": "asleep"``: a batch for
-those waits for their workers to come back.
+those waits for their workers to come back; last, the models the API was told to expect
+(``mlxq api --models``) that no worker served yet, ``"status": "expected"``.
 
 Each worker publishes a :class:`~mlxq.wire.WorkerInfo`, refreshed with its heartbeat and
 expiring when it dies (:func:`mlxq.broker.fleet.live_workers` reads them). A name is served
@@ -28,9 +29,10 @@ from mlxq.broker import fleet, keys, routing
 from mlxq.wire import SeenModel, WorkerInfo
 
 
-def list_models(conn: redis.Redis) -> list[dict[str, Any]]:
+def list_models(conn: redis.Redis, expected: Sequence[str] = ()) -> list[dict[str, Any]]:
     """OpenAI model objects by routing name: each model a live worker serves (``live``),
-    then each served lately that none serves now (``asleep``)."""
+    then each served lately that none serves now (``asleep``), then each of ``expected``
+    that neither names (``expected``: a batch for it waits for its first worker)."""
     live: dict[str, tuple[float, str]] = {}  # name: (first worker's start, source)
     for w in fleet.live_workers(conn):
         for source in w.models or [w.model]:
@@ -42,16 +44,22 @@ def list_models(conn: redis.Redis) -> list[dict[str, Any]]:
         name = keys.queue_name_for_model(seen.model)
         if name not in live and (name not in asleep or seen.seen_at > asleep[name][0]):
             asleep[name] = (seen.seen_at, seen.model)
+    coming = {
+        name: source
+        for source in expected
+        if (name := keys.queue_name_for_model(source)) not in live and name not in asleep
+    }
     return [
         *(_model(name, t, source, "live") for name, (t, source) in sorted(live.items())),
         *(_model(name, t, source, "asleep") for name, (t, source) in sorted(asleep.items())),
+        *(_model(name, 0, source, "expected") for name, source in sorted(coming.items())),
     ]
 
 
-def get_model(conn: redis.Redis, model_id: str) -> dict[str, Any]:
+def get_model(conn: redis.Redis, model_id: str, expected: Sequence[str] = ()) -> dict[str, Any]:
     """The OpenAI model object of ``model_id`` (a model or queue name) if a live worker
-    serves it (``live``) or one served it lately (``asleep``), else a 404
-    ``model_not_found`` that names what is served."""
+    serves it (``live``), one served it lately (``asleep``) or the API expects it
+    (``expected``), else a 404 ``model_not_found`` that names what is served."""
     workers = fleet.live_workers(conn)
     serving = [w for w in workers if serves(w, model_id)]
     if serving:
@@ -61,6 +69,9 @@ def get_model(conn: redis.Redis, model_id: str) -> dict[str, Any]:
     if seen:
         last = max(seen, key=lambda s: s.seen_at)
         return _model(model_id, last.seen_at, _source(last, model_id), "asleep")
+    for source in expected:
+        if routing.same_model(model_id, source):
+            return _model(model_id, 0, source, "expected")
     raise ApiError(
         404,
         f"The model {model_id!r} does not exist here: {_unserved(model_id, workers)}",

@@ -203,12 +203,19 @@ def test_a_worker_is_seen_before_its_model_loads(conn, valkey_url, tiny_model, t
 def test_a_batch_for_an_expected_model_waits_for_its_first_worker(
     valkey_url, conn, tiny_model, tmp_path
 ):
-    """`mlxq api --models tiny`: accepted before any worker ever ran it; run once one does."""
+    """`mlxq api --models tiny`: listed and accepted before any worker ever ran it (its
+    status `expected`); run once one does, then listed `live`."""
     server, thread, port = serve(
         valkey_url, sweep_interval=0.2, allow_unserved_models=False, expected_models=["tiny"]
     )
     try:
         client = api_client(port)
+        listed = [(m.id, m.model_extra["status"]) for m in client.models.list().data]
+        assert listed == [("tiny", "expected")]
+        expected = client.models.retrieve("tiny").model_extra
+        assert expected == {"source": "tiny", "status": "expected"}
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve(UNSERVED)
         batch = _batch_for(client, "tiny")
         assert batch.status == "in_progress"
         assert _model_not_found(_batch_for(client, UNSERVED))
@@ -216,6 +223,7 @@ def test_a_batch_for_an_expected_model_waits_for_its_first_worker(
         try:
             done = wait_final(client, batch.id, timeout=120)
             assert done.status == "completed" and done.request_counts.completed == 3
+            assert [m.model_extra["status"] for m in client.models.list().data] == ["live"]
         finally:
             worker.stop()
     finally:
