@@ -48,15 +48,26 @@ def publish(conn: redis.Redis, info: WorkerInfo, ttl: int) -> None:
     with conn.pipeline() as pipe:
         pipe.set(keys.worker_info(info.name), json_encoder.encode(info), ex=int(ttl))
         pipe.sadd(keys.workers(), info.name)
-        announce(pipe, info.models or [info.model], info.queues)
+        announce(pipe, info.models or [info.model], info.queues, info.adapter_path)
         pipe.execute()
 
 
-def announce(conn: redis.Redis | redis.client.Pipeline, models: list[str], queues: list[str]):
+def announce(
+    conn: redis.Redis | redis.client.Pipeline,
+    models: list[str],
+    queues: list[str],
+    adapter: str | None = None,
+):
     """Record that a worker serves ``models`` from ``queues`` (from before its model loads:
-    work for them is accepted while it starts, and while it sleeps, ``seen_models``)."""
+    work for them is accepted while it starts, and while it sleeps, ``seen_models``), with
+    its LoRA ``adapter``: a model with an adapter is recorded apart from the plain model."""
     now = time.time()
-    seen = {m: json_encoder.encode(SeenModel(m, queues, now)) for m in models}
+    seen = {
+        m if adapter is None else f"{m}\0{adapter}": json_encoder.encode(
+            SeenModel(m, queues, now, adapter)
+        )
+        for m in models
+    }
     conn.hset(keys.models_seen(), mapping=seen)
 
 

@@ -43,7 +43,7 @@ class Listener:
     queues: tuple[str, ...]
     live: bool
     seen_at: float | None = None
-    adapter: str | None = None  # a live worker's LoRA adapter on its model
+    adapter: str | None = None  # the worker's LoRA adapter on its model
 
     def serves(self, model: str | None) -> bool:
         """Whether it runs a job naming ``model`` (vetting: a model it serves)."""
@@ -67,7 +67,7 @@ class Fleet:
             if w.state != "stalled"
         ]
         gone = [
-            Listener((s.model,), tuple(s.queues), False, s.seen_at)
+            Listener((s.model,), tuple(s.queues), False, s.seen_at, s.adapter)
             for s in seen
             if not any(w.serves(s.model) for w in live)
         ]

@@ -163,12 +163,13 @@ class WorkerInfo(Struct):
 
 
 class SeenModel(Struct):
-    """A model some worker served, with that worker's queues, when last seen alive
-    (``keys.models_seen``)."""
+    """A model some worker served, with that worker's queues and LoRA adapter, when last
+    seen alive (``keys.models_seen``)."""
 
     model: str
     queues: list[str]
     seen_at: float
+    adapter: str | None = None  # the worker's adapter on the model (routing skips its queues)
 
 
 class QueueInfo(Struct):

@@ -55,7 +55,8 @@ class Setup:
         self.models = ModelSet(profile)
         if conn is not None:  # found and checked: announced to `mlxq api` while it loads
             with contextlib.suppress(redis.RedisError):
-                fleet.announce(conn, profile.served(), list(worker_queues(profile)))
+                queues = list(worker_queues(profile))
+                fleet.announce(conn, profile.served(), queues, profile.adapter_path)
             # Its memory claimed before it loads: workers of this host that claimed first
             # load first, and this one sizes itself from what they hold (``sharing``).
             self.models.starting = tuple(self._claim(profile, conn))

@@ -111,6 +111,11 @@ def test_an_adapters_queue_takes_its_models_lines_only_when_given(conn):
     fleet.publish(conn, record, ttl=60)
     assert routes(lines("A"), conn)[0] == {"A": "A"}
     assert routes(lines("A"), conn, queue="a-lora")[0] == {"A": "a-lora"}
+    fleet.remove(conn, "lora")  # stopped: what remains is its seen record, adapter and all
+    assert [(s.model, s.adapter) for s in fleet.seen_models(conn)] == [("org/A", "/adapters/x")]
+    assert routes(lines("A"), conn)[0] == {"A": "A"}
+    fleet.announce(conn, ["org/A"], ["A"])  # a plain worker of A: recorded apart from it
+    assert {s.adapter for s in fleet.seen_models(conn)} == {None, "/adapters/x"}
 
 
 def test_a_worker_of_several_models_gets_each_models_lines_on_its_own_queue(conn):
