@@ -26,6 +26,7 @@ from operator import attrgetter
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.sample_utils import greedy_sampler
 
 from mlxq.engine.protocol import BatchLogitsHook
 from mlxq.engine.sampling import RunningJob, Sampler, token_logprobs
@@ -86,13 +87,17 @@ _key_of = attrgetter("run.job.key")
 _sampler_of = attrgetter("sampler")
 
 
+def _asks_logprobs(row: Row) -> bool:
+    return row.run.job.request.logprobs is not None
+
+
 @dataclass
 class Step:
     """A launched decode step: its rows (slot order), sampled tokens and logprobs."""
 
     rows: list[Row]
     sampled: mx.array  # [rows]
-    logprobs: mx.array  # [rows, vocab]
+    logprobs: mx.array  # [rows, vocab]; the raw logits where no row asked for them (greedy)
     _position: dict[int, int] | None = field(default=None, repr=False, compare=False)
 
     def position(self) -> dict[int, int]:
@@ -247,8 +252,12 @@ def sample(
     keys = list(map(_key_of, rows))
     for hook in hooks:
         logits = hook.process(logits, keys)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     samplers = list(map(_sampler_of, rows))
+    if samplers.count(greedy_sampler) == len(samplers) and not any(map(_asks_logprobs, rows)):
+        # Greedy, and no row reads its logprobs: the argmax of the logits is theirs, and
+        # the logsumexp (an exp per vocabulary entry a row) was 8% of a CPU decode step.
+        return greedy_sampler(logits), logits
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if samplers.count(samplers[0]) == len(samplers):  # (one shared sampler: greedy)
         return samplers[0](logprobs), logprobs
     return mx.concatenate([s(logprobs[i : i + 1]) for i, s in enumerate(samplers)]), logprobs
