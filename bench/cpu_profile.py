@@ -11,16 +11,18 @@ this backend):
   quartiles of :func:`common.median_seconds` throughout: others' work on a shared machine
   only ever slows a run down): the 7 projections of every layer (float32, and
   ``--quantized``: MLX's quantized matmul on one layer, times the layers), the LM head,
-  the decode attention (``gqa``) over the rows' positions, sampling (logsumexp and
-  argmax over the vocabulary), and what is left: the elementwise ops (norms, RoPE, SiLU,
-  residuals, cache writes) and MLX's cost per op, shown by the op count of one forward's
-  graph and the measured time of one small op;
+  the decode attention (``gqa``) over the rows' positions, greedy sampling (the argmax;
+  the logsumexp that rows asking for logprobs add, apart), the elementwise ops (norms,
+  RoPE, SiLU, residuals), and what is left: cache writes, masks, reshapes and MLX's cost
+  per op, shown by the op count of one forward's graph and the measured time of one
+  small op;
 - **prefill**: one ``--prompt``-token prompt through the model at each ``--chunks`` size
   (the engine's ``prefill_step``), its tok/s, and at the whole prompt its projections and
-  attention alone;
-- **the bound**: this CPU's float32 GEMM rate at these shapes and its copy bandwidth, the
-  step's matmuls at that rate per token, next to llama.cpp's whole token (``--llama-gen``,
-  ``--llama-total``: tok/s measured by ``llama_server.py``).
+  attention alone (with the attention's scores times MLX's cost of one ``exp``);
+- **the bound**: this CPU's float32 GEMM rate at these shapes, its copy bandwidth and
+  MLX's ``exp`` per element, each part of a step per generated token, next to
+  llama.cpp's whole token (``--llama-gen``, ``--llama-total``: tok/s measured by
+  ``llama_server.py``).
 
 ``--cprofile N`` prints the N functions of the engine step with the most own time.
 
@@ -40,8 +42,8 @@ from typing import Any
 
 from common import describe_device, fmt_num, git_commit, median_seconds, quiet_logs, table
 
-DECODE_COLUMNS = ["rows", "step", "host", "proj f32", "proj quant", "lm head", "attention",
-                  "sampling", "rest", "us/op", "GEMM GFLOP/s", "tok/s", "GEMM ms/tok"]  # fmt: skip
+DECODE_COLUMNS = ("rows,step,host,proj f32,proj quant,lm head,attention,sampling,elementwise,"
+                  "rest,us/op,GEMM GFLOP/s,tok/s,GEMM ms/tok,+logprobs").split(",")  # fmt: skip
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -126,15 +128,50 @@ def time_attention(model: Any, rows: int, context: int, repeat: int) -> float:
 
 
 def time_sampling(vocab: int, rows: int, repeat: int) -> float:
-    """Greedy sampling as a step runs it: logprobs (logsumexp) and their argmax."""
+    """Greedy sampling as a step runs it when no row asks for logprobs: the logits'
+    argmax (with ``logprobs``, the logsumexp too: :func:`time_logprobs`)."""
     import mlx.core as mx
 
     logits = mx.random.normal((rows, vocab))
     mx.eval(logits)
+    return median_seconds(lambda: mx.argmax(logits, axis=-1), repeat, quartile=True)
+
+
+def time_logprobs(vocab: int, rows: int, repeat: int) -> float:
+    """What rows asking for logprobs add to sampling: the logsumexp over the vocabulary
+    (an ``exp`` an entry; the engine skips it where no row asks)."""
+    import mlx.core as mx
+
+    logits = mx.random.normal((rows, vocab))
+    mx.eval(logits)
+    return median_seconds(
+        lambda: logits - mx.logsumexp(logits, axis=-1, keepdims=True), repeat, quartile=True
+    )
+
+
+def time_elementwise(model: Any, rows: int, repeat: int) -> float:
+    """Seconds of every layer's elementwise work on ``rows`` tokens: two RMS norms, RoPE
+    on the query and key, SiLU(gate) x up, two residual adds (the final norm left out)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    a = model.args
+    heads, kv = a.num_attention_heads, a.num_key_value_heads
+    dim = getattr(a, "head_dim", None) or a.hidden_size // heads
+    h = mx.random.normal((rows, 1, a.hidden_size))
+    g, u = (mx.random.normal((rows, 1, a.intermediate_size)) for _ in range(2))
+    q, k = mx.random.normal((rows, heads, 1, dim)), mx.random.normal((rows, kv, 1, dim))
+    w = mx.ones((a.hidden_size,))
+    offsets = mx.random.randint(0, 256, (rows,))
+    mx.eval(h, g, u, q, k, w, offsets)
+    rope = model.model.layers[0].self_attn.rope
 
     def build() -> list[Any]:
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return [mx.argmax(logprobs, axis=-1), logprobs]
+        out = []
+        for _ in range(a.num_hidden_layers):
+            out += [mx.fast.rms_norm(h, w, 1e-5), mx.fast.rms_norm(h, w, 1e-5), h + h, h + h]
+            out += [rope(q, offset=offsets), rope(k, offset=offsets), nn.silu(g) * u]
+        return out
 
     return median_seconds(build, repeat, quartile=True)
 
@@ -199,15 +236,18 @@ def engine_steps(
     ids = mx.random.randint(100, 40_000, (rows, context), key=key).tolist()
     for i, prompt in enumerate(ids):
         engine.add(EngineJob(f"r{i}", Request(prompt=prompt, max_tokens=10 * steps + 64)))
-    while engine.stats().decode_steps < 4:  # joined, prefilled, decoding
+    # Every row joined and decoding: prefill goes in groups between decode steps, and a
+    # timed step that prefilled a group would count its prefill.
+    while len(engine.batch.rows) < rows or engine.stats().decode_steps < 4:
         engine.step()
-    assert engine.active == rows, engine.active
+    prefills = engine.stats().prefill_calls
     walls, hosts = [], []
     for _ in range(steps):
         wall, host = time.perf_counter(), time.thread_time()
         engine.step()
         walls.append(time.perf_counter() - wall)
         hosts.append(time.thread_time() - host)
+    assert engine.stats().prefill_calls == prefills, "a timed step prefilled"
     # The fastest steps: a shared machine's other work only ever slows a step down.
     walls, hosts = sorted(walls), sorted(hosts)
     out: dict[str, Any] = {"step": walls[len(walls) // 4], "host": hosts[len(hosts) // 4]}
@@ -282,6 +322,16 @@ def copy_rate(repeat: int) -> float:
     return 2 * x.nbytes / median_seconds(lambda: x + 1, repeat, quartile=True) / 1e9
 
 
+def exp_cost(repeat: int) -> float:
+    """Seconds per element of MLX's float32 ``exp`` over 16 Mi values (a softmax's core:
+    on this backend it runs on the stream's one thread)."""
+    import mlx.core as mx
+
+    x = mx.random.normal((16 * 2**20,))
+    mx.eval(x)
+    return median_seconds(lambda: mx.exp(x), repeat, quartile=True) / x.size
+
+
 # -- main -------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     from common import load_as_worker, use_openblas
@@ -334,10 +384,13 @@ def main(argv: list[str] | None = None) -> int:
             args.prompt, a.hidden_size, a.intermediate_size, repeat
         )
         rates["copy GB/s"] = copy_rate(repeat)
+        rates["exp ns"] = exp_cost(repeat) * 1e9
         print("this CPU: " + ", ".join(f"{k} {v:.1f}" for k, v in rates.items())
-              + " (GEMM in GFLOP/s)")  # fmt: skip
+              + " (GEMM in GFLOP/s, exp in ns an element)")  # fmt: skip
 
-    decode_rows = []
+    decode_rows: list[list[str]] = []
+    per_token: dict[int, list[float]] = {}
+    prefill_parts: tuple[float, float, float] | None = None
     if "decode" not in skip:
         quantized = None
         if args.quantized:
@@ -349,18 +402,24 @@ def main(argv: list[str] | None = None) -> int:
             head = time_head(model, rows, repeat)
             attn = time_attention(model, rows, args.context, repeat)
             samp = time_sampling(a.vocab_size, rows, repeat)
+            lse = time_logprobs(a.vocab_size, rows, repeat)
+            elem = time_elementwise(model, rows, repeat)
             one_op = op_cost(rows, a.hidden_size, repeat)
             step, host = run["step"], run["host"]
-            rest = step - host - proj - head - attn - samp
+            rest = step - host - proj - head - attn - samp - elem
             q = None
             if quantized is not None:
                 q = time_projections(projections(quantized)[:1], rows, 1) * a.num_hidden_layers
             gflops = rows * (proj_flops + head_flops) / (proj + head) / 1e9
+            parts = (proj + head, attn, samp, elem, host)
+            per_token[rows] = [v / rows * 1e3 for v in (*parts, sum(parts), step)]
             decode_rows.append([
                 f"{rows}", fmt_num(step * 1e3), fmt_num(host * 1e3), fmt_num(proj * 1e3),
                 fmt_num(q * 1e3 if q else None), fmt_num(head * 1e3), fmt_num(attn * 1e3),
-                fmt_num(samp * 1e3), fmt_num(rest * 1e3), f"{one_op * 1e6:.1f}",
+                fmt_num(samp * 1e3), fmt_num(elem * 1e3), fmt_num(rest * 1e3),
+                f"{one_op * 1e6:.1f}",
                 fmt_num(gflops), fmt_num(rows / step), fmt_num((proj + head) / rows * 1e3, 2),
+                fmt_num(lse * 1e3),
             ])  # fmt: skip
             if "profile" in run:
                 print(f"cProfile of {args.steps} steps at {rows} rows (own time):")
@@ -369,8 +428,10 @@ def main(argv: list[str] | None = None) -> int:
         head_names = DECODE_COLUMNS
         print(
             f"\ndecode step, ms (rows of ~{args.context} positions; the engine's step over "
-            f"{args.steps} steps, its parts alone; rest = step - the others: elementwise ops "
-            f"and MLX's cost per op, {ops:,} ops in one forward's graph):"
+            f"{args.steps} steps, its parts alone; elementwise: norms, RoPE, SiLU, residuals; "
+            f"rest = step - the others: cache writes, masks, reshapes and MLX's cost per op, "
+            f"{ops:,} ops in one forward's graph; +logprobs: what a step whose rows ask "
+            f"for logprobs adds):"
         )
         print(table(head_names, decode_rows))
 
@@ -381,24 +442,39 @@ def main(argv: list[str] | None = None) -> int:
             out.append([f"{chunk}", fmt_num(s * 1e3), fmt_num(args.prompt / s)])
         proj = time_projections(projections(model), args.prompt, max(1, repeat // 2))
         attn = prefill_attention(model, args.prompt, max(1, repeat // 2))
+        best = min(float(r[1].replace(",", "")) for r in out) / args.prompt
+        prefill_parts = (proj * 1e3 / args.prompt, attn * 1e3 / args.prompt, best)
         print(f"\nprefill of one {args.prompt}-token prompt:")
         print(table(["chunk", "ms", "tok/s"], out))
+        # MLX's CPU attention is composed ops: every score of the square is computed and
+        # exponentiated, the causal half masked, not skipped.
+        exps = a.num_attention_heads * args.prompt**2 * a.num_hidden_layers
+        exp_ms = f"{exps * rates['exp ns'] / 1e6:,.0f} ms" if "exp ns" in rates else "-"
         print(
             f"whole prompt alone: projections {proj * 1e3:,.0f} ms "
             f"({args.prompt * proj_flops / proj / 1e9:.1f} GFLOP/s), causal attention "
-            f"{attn * 1e3:,.0f} ms"
+            f"{attn * 1e3:,.0f} ms ({exps / 1e6:,.0f} M scores; their exp alone {exp_ms})"
         )
 
-    if decode_rows and (args.llama_gen or args.llama_total):
-        print("\nthe bound (float32 matmuls alone at their measured rate, per token):")
-        for r in decode_rows:
-            mm = float(r[-1])
-            line = (
-                f"  {r[0]} rows: {mm:.2f} ms/token of matmuls (mlxq step: {1e3 / float(r[-2]):.2f})"
-            )
-            if args.llama_gen:
-                line += f"; llama-server's whole token: {1e3 / args.llama_gen:.2f} ms"
-            print(line)
+    if per_token and args.llama_gen:
+        print(
+            f"\nthe bound, ms per generated token (each part alone at its rows; llama-server's "
+            f"whole token at {args.llama_gen:g} gen tok/s: {1e3 / args.llama_gen:.2f} ms):"
+        )
+        cols = ["rows", "GEMM", "attention", "sampling", "elementwise", "host", "sum", "step"]
+        llama_ms = 1e3 / args.llama_gen
+        body = [
+            [str(r), *(fmt_num(v, 2) for v in parts), *(f"{v / llama_ms:.2f}x" for v in parts[5:])]
+            for r, parts in per_token.items()
+        ]
+        print(table([*cols, "sum / llama", "step / llama"], body))
+    if prefill_parts and args.llama_total:
+        proj_ms, attn_ms, best_ms = prefill_parts
+        print(
+            f"prefill, ms per prompt token: projections {proj_ms:.2f} + causal attention "
+            f"{attn_ms:.2f} (whole prompt), best chunk {best_ms:.2f}; llama-server's whole "
+            f"token at {args.llama_total:g} prompt+gen tok/s: {1e3 / args.llama_total:.2f}"
+        )
     return 0
 
 
