@@ -13,11 +13,12 @@ bookkeeping only: no tensor work, no device sync; the next owner overwrites it.
 - **Sorting** (:meth:`SlotCache.permute`) moves the live rows into a new slot order,
   when :mod:`mlxq.engine.slots.order` says it pays: one gather per layer.
 - **Size** follows the work: the arrays hold ``rows`` rows (allocated at the first write,
-  up to ``slots``) of ``capacity`` positions, in steps of ``step``; :meth:`SlotCache.resize`
-  lays them out anew (rows packed at the front, as the engine asks: grown as jobs join,
-  shrunk as they leave, to the positions the live rows need), one copy per layer;
-  :meth:`SlotCache.release` drops them when idle. The scheduler admits jobs against the
-  same shape (:func:`~mlxq.engine.scheduler.slot_cache_bytes`).
+  up to ``slots``) of ``capacity`` positions, in steps of ``step`` (finer on the CPU);
+  :meth:`SlotCache.resize` lays them out anew (rows packed at the front, as the engine
+  asks: grown as jobs join, shrunk as they leave, to the positions the live rows need),
+  one copy per layer; :meth:`SlotCache.release` drops them when idle; on the CPU what
+  they free goes back to the OS (:func:`map_large_buffers`). The scheduler admits jobs
+  against the same shape (:func:`~mlxq.engine.scheduler.slot_cache_bytes`), or more.
 
 :class:`SlotLayer` is the cache object mlx-lm's model modules see during decode: they read
 ``offset`` (each row's position, an array: RoPE takes per-row offsets), call
@@ -27,7 +28,11 @@ bookkeeping only: no tensor work, no device sync; the next owner overwrites it.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import heapq
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,6 +58,35 @@ def _parts(x: Stored) -> tuple[mx.array, ...]:
     return x if isinstance(x, tuple) else (x,)
 
 
+# Positions a row grows by on the CPU (else CACHE_STEP). A step attends each group up to
+# its longest row, never the padding, so the step trades memory for copies: on the CPU
+# the padded cache was most of a worker's RSS, and a copy is small against a step
+# (bench/RESULTS.md).
+CPU_CACHE_STEP = 64
+# glibc's mallopt parameter, and the size from which the CPU's buffers are mapped apart.
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 1 << 20
+
+
+def _on_cpu() -> bool:
+    return mx.default_device().type == mx.cpu
+
+
+@functools.cache
+def map_large_buffers() -> bool:
+    """On the CPU (Linux, glibc), map buffers of :data:`MMAP_THRESHOLD` bytes and up apart,
+    so a resize's old layers go back to the OS when freed: glibc otherwise raises its
+    threshold to the largest buffer freed (up to 32 MiB) and keeps later ones in a heap
+    the RSS holds. Once a process; True where it was set."""
+    if not sys.platform.startswith("linux") or not _on_cpu():
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
 class LayoutRefused(ValueError):
     """A layout :meth:`SlotCache.resize` cannot make, refused before anything changed."""
 
@@ -69,10 +103,13 @@ class SlotCache:
         self,
         num_layers: int,
         slots: int,
-        step: int = CACHE_STEP,
+        step: int | None = None,
         bits: int | None = None,
         group_size: int = 64,
     ) -> None:
+        map_large_buffers()
+        if step is None:
+            step = CPU_CACHE_STEP if _on_cpu() else CACHE_STEP
         # Capacity in whole spans, so that no group's rounded span outgrows it.
         step = -(-step // SPAN_ROUND) * SPAN_ROUND
         self.num_layers, self.slots, self.step = num_layers, slots, step
