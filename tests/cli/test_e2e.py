@@ -104,34 +104,27 @@ def test_two_burst_workers_return_every_result_exactly_once(tiny_model, valkey_u
     assert sub.returncode == 0, sub.stderr
     batch_id = sub.stdout.strip().split()[-1]
 
-    workers = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "mlxq",
-                "worker",
-                "--model",
-                tiny_model,
-                "-q",
-                "e2e",
-                "--burst",
-                "--max-batch",
-                "4",
-                "--prefill-batch",
-                "2",
-                "--name",
-                f"w{i}",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    logs = [w.communicate(timeout=300)[0] for w in workers]
+    args = ["-q", "e2e", "--burst", "--max-batch", "4", "--prefill-batch", "2"]
+    paths = [tmp_path / f"w{i}.log" for i in range(2)]
+    workers = []
+    for i, path in enumerate(paths):  # (logs in files: a pipe read after the other's could fill)
+        with path.open("w") as log:
+            cmd = [sys.executable, "-m", "mlxq", "worker", "--model", tiny_model, *args]
+            workers.append(
+                subprocess.Popen(
+                    [*cmd, "--name", f"w{i}"], cwd=ROOT, env=env, stdout=log, stderr=log
+                )
+            )
+    try:
+        for w in workers:
+            w.wait(300)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError([p.read_text() for p in paths]) from e
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+    logs = [p.read_text() for p in paths]
     assert all(w.returncode == 0 for w in workers), logs
 
     status = run_mlxq("status", batch_id, "--json", env=env)
