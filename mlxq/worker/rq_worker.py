@@ -31,6 +31,7 @@ from mlxq.broker.rq_store.worker_base import RQWorkerBase
 from mlxq.engine.runner import Runner, Work
 from mlxq.engine.sampling import Completion, EngineJob
 from mlxq.wire import Result
+from mlxq.worker import sharing
 from mlxq.worker.keep_awake import KeepAwake
 from mlxq.worker.outage import WRITE_REFUSALS, Outage, ServerWatch, refuses_writes, while_refused
 from mlxq.worker.outcomes import InFlight, build_result
@@ -372,9 +373,10 @@ class MlxqWorker(RQWorkerBase):
                 time.sleep(0.5)
 
     def _forget(self) -> None:
-        """Drop this worker from `mlxq workers` at once on a clean exit."""
+        """Drop this worker's record (`mlxq workers`) and memory claim on a clean exit."""
         try:
             fleet.remove(self.connection, self.name)
+            sharing.release_claim(self.connection)
         except redis.RedisError:
             pass  # it expires by itself
 

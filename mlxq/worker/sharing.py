@@ -23,6 +23,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 import redis
@@ -185,11 +186,23 @@ def share(
 
 def _running(pid: int) -> bool:
     """Whether a process of this host runs as ``pid`` (a crashed worker's record lingers
-    until it expires)."""
+    until it expires). An exited worker its parent has not reaped yet (a zombie, on
+    Linux) does not: its claim would hold memory it gave back, or keep a starting worker
+    waiting for a load that never comes."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process
         return True
-    return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc (macOS): kill's answer stands
+        return True
+
+
+def release_claim(conn: redis.Redis) -> None:
+    """Drop this process's claim on a clean exit (a crashed one's goes once it ends)."""
+    key = keys.starting_workers(socket.gethostname())
+    pid = str(os.getpid())
+    conn.hdel(key, pid, f"t:{pid}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -131,3 +132,40 @@ def test_two_workers_started_at_the_same_moment_share_the_memory(
     assert held[1] == pytest.approx(0.4 * memory, rel=0.01)  # the first to claim: its own
     assert held[0] == pytest.approx(0.35 * memory, rel=0.01)  # the other: what is left
     assert any("starting)" in log or "live worker(s) on this host's memory" in log for log in logs)
+
+
+def test_an_exited_worker_s_claim_holds_nothing_and_a_clean_exit_drops_it(
+    long_model, valkey_url, conn, tmp_path
+):
+    """A worker that exited and that its parent has not reaped yet (a zombie: a burst
+    worker done before its sibling, under a test or a supervisor) holds no memory and is
+    waited for by no starting worker; a worker that exits cleanly drops its claim."""
+    import msgspec
+
+    from mlxq.broker import keys
+    from mlxq.worker import sharing
+
+    host = keys.starting_workers(socket.gethostname())
+    exited = subprocess.Popen(["true"])  # not waited for: a zombie once it ends
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{exited.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child did not end"
+            time.sleep(0.05)
+        for proc in (exited, alive):  # both still loading (no bytes claimed) and first in line
+            claim = sharing.Starting(f"pid{proc.pid}", proc.pid, 0.5)
+            conn.hset(host, mapping={str(proc.pid): msgspec.json.encode(claim), f"t:{proc.pid}": 0})
+        claims = sharing.claim_start(conn, "me", 0.5, wait_s=0.5)
+        assert [c.pid for c in claims] == [alive.pid]
+    finally:
+        alive.kill()
+        alive.wait()
+        exited.wait()
+    conn.delete(host)
+    worker = Worker(valkey_url, long_model, "--memory-fraction", "0.3", log=tmp_path / "w.log")
+    worker.wait_listening(conn)
+    assert str(worker.proc.pid).encode() in conn.hkeys(host)
+    worker.stop()
+    assert worker.proc.returncode == 0
+    assert str(worker.proc.pid).encode() not in conn.hkeys(host)
