@@ -88,7 +88,8 @@ def test_samples_join_and_leave_a_running_batch(tiny, max_batch: int, join_every
 
 def test_cancel_ends_every_sample(tiny) -> None:
     engine = slot_engine(tiny)
-    request = Request(prompt="Once upon a time", max_tokens=200, temperature=1.0, n=3)
+    # (Seeded: unseeded, a sample draws the end of text within 4 steps now and then.)
+    request = Request(prompt="Once upon a time", max_tokens=200, temperature=1.0, n=3, seed=7)
     assert engine.add(EngineJob("job", request)) is None
     assert engine.active == 3
     for _ in range(4):
