@@ -60,7 +60,8 @@ def builders(rows: int, vocab: int, distinct: int) -> dict[str, Callable[[Any], 
     masks = masks.astype(np.int32)
     index = [i % distinct for i in range(rows)]
     greedy = make_sampler(temp=0.0)
-    run: Any = SimpleNamespace(job=SimpleNamespace(key="k"))  # (sample() reads its key only)
+    # (sample() reads its key, and whether it keeps logprobs)
+    run: Any = SimpleNamespace(job=SimpleNamespace(key="k"), logprobs=None)
     batch = [Row(run, slot, greedy, [], 0) for slot in range(rows)]
     hook = _TableHook(masks, index)
     return {

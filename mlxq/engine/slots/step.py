@@ -88,7 +88,7 @@ _sampler_of = attrgetter("sampler")
 
 
 def _asks_logprobs(row: Row) -> bool:
-    return row.run.job.request.logprobs is not None
+    return row.run.logprobs is not None
 
 
 @dataclass
@@ -253,9 +253,15 @@ def sample(
     for hook in hooks:
         logits = hook.process(logits, keys)
     samplers = list(map(_sampler_of, rows))
-    if samplers.count(greedy_sampler) == len(samplers) and not any(map(_asks_logprobs, rows)):
-        # Greedy, and no row reads its logprobs: the argmax of the logits is theirs, and
-        # the logsumexp (an exp per vocabulary entry a row) was 8% of a CPU decode step.
+    if (
+        logits.dtype == mx.float32
+        and samplers.count(greedy_sampler) == len(samplers)
+        and not any(map(_asks_logprobs, rows))
+    ):
+        # Greedy, and no row reads its logprobs: at float32 the logits' argmax is their
+        # logprobs' (mlx-lm's pick; the subtraction's rounding ties no two in practice)
+        # and the logsumexp (an exp per vocabulary entry a row) was 8% of a CPU step. Not
+        # at 16 bits: there the rounding ties near-equal logits, and argmax takes the first.
         return greedy_sampler(logits), logits
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if samplers.count(samplers[0]) == len(samplers):  # (one shared sampler: greedy)
