@@ -119,3 +119,19 @@ def test_the_cache_stays_within_the_schedulers_budget(tiny) -> None:
         held = max(held, engine.batch.cache.nbytes)
         assert engine.batch.cache.nbytes <= budget
     assert waited and budget // 4 < held <= budget
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU's cache steps")
+def test_on_the_cpu_rows_grow_in_small_steps_and_large_buffers_are_mapped_apart() -> None:
+    """On the CPU a row's positions grow by 64, not 256 (the padded cache was most of a
+    worker's RSS there), and on Linux glibc maps buffers of 1 MiB and up apart, so a
+    resized layer's old buffer goes back to the OS."""
+    import sys
+
+    from mlxq.engine.scheduler import CACHE_STEP
+    from mlxq.engine.slots.cache import CPU_CACHE_STEP, map_large_buffers
+
+    cache = SlotCache(2, 4)
+    assert cache.step == CPU_CACHE_STEP < CACHE_STEP
+    assert cache.positions(70) == 2 * CPU_CACHE_STEP  # (a row of 70 tokens: 128 positions)
+    assert map_large_buffers() is sys.platform.startswith("linux")
