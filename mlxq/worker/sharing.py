@@ -110,7 +110,8 @@ def claim_start(
     memory, and wait (up to ``wait_s``) for the workers of this host that claimed before it
     to load (:func:`claim_loaded`). The claims of this host's other workers that hold
     memory without a published record (a frozen worker's expired): loaded ones count what
-    they hold, those still loading after the wait their whole fraction."""
+    they hold, earlier ones still loading after the wait their whole fraction, later ones
+    still loading nothing (they wait for this one)."""
     key = keys.starting_workers(socket.gethostname())
     pid = os.getpid()
     me = Starting(name, pid, fraction)
@@ -121,7 +122,9 @@ def claim_start(
         claims = _unpublished(conn, key)
         earlier = [c for c in claims if c.ticket < ticket and not c.claimed_bytes]
         if not earlier or time.monotonic() >= deadline:
-            return claims
+            # Those that claimed after this one and still load wait for it, then size
+            # themselves from what it holds: counting them too would leave it nothing.
+            return [c for c in claims if c.ticket < ticket or c.claimed_bytes]
         log.info(
             "waiting for %s to load its model before sizing this worker's memory",
             ", ".join(f"{c.name} (pid {c.pid})" for c in earlier),

@@ -169,3 +169,33 @@ def test_an_exited_worker_s_claim_holds_nothing_and_a_clean_exit_drops_it(
     worker.stop()
     assert worker.proc.returncode == 0
     assert str(worker.proc.pid).encode() not in conn.hkeys(host)
+
+
+def test_a_worker_counts_no_claim_made_after_its_own_that_still_loads(conn):
+    """Of workers started together, the one with the first claim counts none of the later
+    ones still loading (they wait for it, then size themselves from what it holds: counted
+    whole, they left it nothing, and it refused to start); a later one that has loaded
+    (it gave up waiting) counts what it holds; an earlier one still loading, its fraction."""
+    import msgspec
+
+    from mlxq.broker import keys
+    from mlxq.worker import sharing
+
+    host = keys.starting_workers(socket.gethostname())
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    try:
+        later, loaded, earlier = procs
+        conn.hset(host, "#", 10)  # (this process's claim takes ticket 11)
+        for proc, ticket, held in ((later, 12, 0), (loaded, 13, 5 << 30), (earlier, 3, 0)):
+            claim = sharing.Starting(f"pid{proc.pid}", proc.pid, 0.5, claimed_bytes=held)
+            conn.hset(
+                host, mapping={str(proc.pid): msgspec.json.encode(claim), f"t:{proc.pid}": ticket}
+            )
+        claims = sharing.claim_start(conn, "me", 0.5, wait_s=0.5)
+        assert sorted(c.pid for c in claims) == sorted([loaded.pid, earlier.pid])
+        conn.hdel(host, str(earlier.pid))
+        assert [c.pid for c in sharing.claim_start(conn, "me", 0.5, wait_s=0)] == [loaded.pid]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
