@@ -417,7 +417,11 @@ def read_fleet(browser: Browser, url: str, width: int, height: int, ready: str) 
     return browser.evaluate(READ_PAGE)
 
 
-BUSY = "document.querySelectorAll('#workers tr[data-worker]').length === 4"
+# (And the chart's rate shown: a refresh on a loaded machine can land before it is.)
+BUSY = (
+    "document.querySelectorAll('#workers tr[data-worker]').length === 4 && "
+    "/now [1-9]/.test(document.getElementById('tps-caption').innerText)"
+)
 IDLE = (
     "[...document.querySelectorAll('#workers tr[data-worker]')].every("
     "(tr) => tr.querySelector('[data-field=batch_in_use]').innerText.startsWith('0 /')) && "
