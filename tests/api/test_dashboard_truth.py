@@ -413,8 +413,9 @@ def caption_rates(caption: str) -> tuple[float, float]:
 
 def read_fleet(browser: Browser, url: str, width: int, height: int, ready: str) -> dict:
     browser.open(url, width, height)
-    browser.wait_for(f"Number(document.body.dataset.refreshes || 0) >= 2 && ({ready})", 60)
-    return browser.evaluate(READ_PAGE)
+    # The check and the read in one evaluation: a refresh between them could undo the check.
+    ready = f"Number(document.body.dataset.refreshes || 0) >= 2 && ({ready})"
+    return browser.wait_for(f"({ready}) ? {READ_PAGE} : null", 60)
 
 
 # (And the chart's rate shown: a refresh on a loaded machine can land before it is.)
