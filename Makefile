@@ -34,10 +34,8 @@ demo: models/tiny/config.json
 	$(RUN) $(BIN)/mlxq run examples/prompts.jsonl --model models/tiny -o out/results.jsonl
 	@echo "--- first result:" && head -n 1 out/results.jsonl
 
-# Two test processes, each test file whole in one (its module fixtures start once): most
-# tests wait on worker processes and timeouts, so two share a 2-core machine well.
 test: $(BIN)/.installed
-	$(RUN) $(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(RUN) $(BIN)/python -m pytest -q
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check mlxq tests bench && $(BIN)/ruff format --check mlxq tests bench
