@@ -90,7 +90,7 @@ def claimed(w: WorkerInfo) -> int:
 def neighbours(conn: redis.Redis) -> list[WorkerInfo]:
     """The live workers of this host (their process still running), as Redis lists them."""
     host = socket.gethostname()
-    return [w for w in fleet.live_workers(conn) if w.host == host and _running(w.pid)]
+    return [w for w in fleet.live_workers(conn) if w.host == host and process_running(w.pid)]
 
 
 # Takes a ticket and records the claim in one step, so a worker that reads the claims after
@@ -155,7 +155,7 @@ def _unpublished(conn: redis.Redis, key: str) -> list[Starting]:
             )
         except (msgspec.DecodeError, ValueError):
             continue
-        if not _running(claim.pid):
+        if not process_running(claim.pid):
             ended += [field, f"t:{field}"]
         elif claim.pid != os.getpid() and claim.pid not in published:
             out.append(claim)
@@ -187,7 +187,7 @@ def share(
     return Share(max(0, min(own, left)), ceiling, others, loading)
 
 
-def _running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
     """Whether a process of this host runs as ``pid`` (a crashed worker's record lingers
     until it expires). An exited worker its parent has not reaped yet (a zombie, on
     Linux) does not: its claim would hold memory it gave back, or keep a starting worker

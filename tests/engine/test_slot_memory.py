@@ -12,6 +12,7 @@ import mlx.core as mx
 import pytest
 from engine_reference import reference, run_all
 
+from mlxq.engine.hardware import backend_name
 from mlxq.engine.sampling import EngineJob
 from mlxq.engine.scheduler import Scheduler, cache_rows
 from mlxq.engine.slots.cache import SlotCache
@@ -121,7 +122,7 @@ def test_the_cache_stays_within_the_schedulers_budget(tiny) -> None:
     assert waited and budget // 4 < held <= budget
 
 
-@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU's cache steps")
+@pytest.mark.skipif(backend_name() != "cpu", reason="the CPU's cache steps")
 def test_on_the_cpu_rows_grow_in_small_steps_and_large_buffers_are_mapped_apart() -> None:
     """On the CPU a row's positions grow by 64, not 256 (the padded cache was most of a
     worker's RSS there), and on Linux glibc maps buffers of 1 MiB and up apart, so a

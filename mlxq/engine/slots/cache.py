@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlxq.engine.hardware import backend_name
 from mlxq.engine.models.mlx_lm_seam import AttendingCache
 from mlxq.engine.scheduler import CACHE_STEP, cache_positions
 from mlxq.engine.slots.attention import Kernel
@@ -68,17 +69,13 @@ _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 1 << 20
 
 
-def _on_cpu() -> bool:
-    return mx.default_device().type == mx.cpu
-
-
 @functools.cache
 def map_large_buffers() -> bool:
     """On the CPU (Linux, glibc), map buffers of :data:`MMAP_THRESHOLD` bytes and up apart,
     so a resize's old layers go back to the OS when freed: glibc otherwise raises its
     threshold to the largest buffer freed (up to 32 MiB) and keeps later ones in a heap
     the RSS holds. Once a process; True where it was set."""
-    if not sys.platform.startswith("linux") or not _on_cpu():
+    if not sys.platform.startswith("linux") or backend_name() != "cpu":
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -109,7 +106,7 @@ class SlotCache:
     ) -> None:
         map_large_buffers()
         if step is None:
-            step = CPU_CACHE_STEP if _on_cpu() else CACHE_STEP
+            step = CPU_CACHE_STEP if backend_name() == "cpu" else CACHE_STEP
         # Capacity in whole spans, so that no group's rounded span outgrows it.
         step = -(-step // SPAN_ROUND) * SPAN_ROUND
         self.num_layers, self.slots, self.step = num_layers, slots, step
