@@ -553,6 +553,10 @@ def test_rate_history_bins_the_sampled_rate_and_peak_is_never_below_now():
     hist.sample(900.0, at=131.0)  # what the snapshot samples as it reads "now"
     assert hist.series(at=131.5, now_tps=900.0).rates[-1] == 900.0  # the bin filling
     assert hist.series(at=150.0, now_tps=0.0).peak_tps == 900.0
+    # Idle samples in the busy bin pull its bar down, never the peak a user saw as "now".
+    hist.sample(0.0, at=135.0)
+    later = hist.series(at=150.0, now_tps=0.0)
+    assert later.rates[-3] == 450.0 and later.peak_tps == 900.0
 
 
 def test_a_worker_publishes_0_tok_s_once_idle():
