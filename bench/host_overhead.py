@@ -11,9 +11,11 @@ For each ``--rows`` size it runs ``--jobs-per-row`` times as many jobs as rows (
 of 16-128 random tokens, ``max_tokens`` 16-256, greedy), so rows finish at different
 steps and waiting jobs join; as a worker does, it keeps about an eighth of the batch
 waiting, not every job at once. It reports the median host ms of the steps at a full
-batch (at least 90% of the rows decoding), that over the rows (µs per row), and the mean
-over all steps; a joining group's prefill is left out (its cost grows with the group, not
-with the rows decoding). ``--mix F`` gives a fraction F of the jobs stop strings, F
+batch (at least 90% of the rows decoding), that over the rows (µs per row), the median
+wall ms of those steps where nothing joined (the steady step, host and device: on CUDA
+the device's time where the host keeps ahead), and the mean host ms over all steps; a
+joining group's prefill is left out (its cost grows with the group, not with the rows
+decoding). ``--mix F`` gives a fraction F of the jobs stop strings, F
 streaming, F logprobs; ``--profile N`` prints cProfile's top N functions (by their own
 time) of the largest size's run.
 
@@ -96,19 +98,22 @@ def run(model: Any, tokenizer: Any, rows: int, args: argparse.Namespace) -> dict
             joins[0] += time.thread_time() - tic
 
     engine._join = timed_join  # type: ignore[method-assign]
-    full, every, finished = [], [], 0
+    full, every, walls, finished = [], [], [], 0
     started = time.perf_counter()
     while queued or engine.active:
         while queued and engine.active < rows + rows // 8:
             i, request = queued.pop()
             assert engine.add(EngineJob(f"j{i}", request)) is None
         decoding, joins[0] = len(engine.batch.rows), 0.0
-        tic = time.thread_time()
+        tic, wall = time.thread_time(), time.perf_counter()
         finished += len(engine.step())
+        wall = time.perf_counter() - wall
         host = time.thread_time() - tic - joins[0]
         every.append(host)
         if decoding >= 0.9 * rows:
             full.append(host)
+            if not joins[0]:  # (a join's prefill runs on the device inside the step's wait)
+                walls.append(wall)
     assert finished == len(jobs), f"{finished} of {len(jobs)} jobs finished"
     median = statistics.median(full) if full else float("nan")
     return {
@@ -116,6 +121,7 @@ def run(model: Any, tokenizer: Any, rows: int, args: argparse.Namespace) -> dict
         "full": len(full),
         "ms": median * 1e3,
         "us_row": median * 1e6 / rows,
+        "wall_ms": statistics.median(walls) * 1e3 if walls else float("nan"),
         "mean_ms": statistics.fmean(every) * 1e3,
         "wall": time.perf_counter() - started,
     }
@@ -196,7 +202,8 @@ def main() -> None:
 
     shape = f"uniform {args.uniform}" if args.uniform else f"mix {args.mix}"
     print(f"host time per decode step ({args.preset}, {mx.default_device()}; {env}, {shape})")
-    headers = ["rows", "steps", "full steps", "host ms/step", "µs/row", "mean ms (all)", "wall s"]
+    headers = ["rows", "steps", "full steps", "host ms/step", "µs/row", "wall ms/step"]
+    headers += ["mean ms (all)", "wall s"]
     print(
         table(
             headers,
@@ -207,6 +214,7 @@ def main() -> None:
                     str(f["full"]),
                     fmt_num(f["ms"], 2),
                     fmt_num(f["us_row"], 2),
+                    fmt_num(f["wall_ms"], 2),
                     fmt_num(f["mean_ms"], 2),
                     fmt_num(f["wall"], 1),
                 ]
