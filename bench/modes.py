@@ -217,7 +217,9 @@ def run_mlxq(
         clock = Stopwatch()
         batch = submit(conn, requests, queue=queue, result_ttl=BENCH_RESULT_TTL)
         submit_s = clock.stop()
+        idle_before = runner.idle_seconds
         work_s, exit_s = work_burst(worker)
+        idle_s = runner.idle_seconds - idle_before
         clock = Stopwatch()
         results = list(iter_batch_results(conn, batch.batch_id))
         read_s = clock.stop()
@@ -237,6 +239,7 @@ def run_mlxq(
     result.extra = {"submit_s": submit_s, "worker_s": work_s, "read_s": read_s}
     result.extra["worker_exit_s"] = exit_s
     result.extra["prefill_s"] = prefill_s
+    result.extra["idle_s"] = idle_s
     keep = WORK_STATS
     if prefix_cache_bytes:
         result.extra["prefix_cache_bytes"] = prefix_cache_bytes

@@ -67,7 +67,8 @@ def report(header: str, results: list[ModeResult], wl: Workload) -> str:
                     f"{e['decode_steps']:,} decode "
                     f"steps {e['decode_seconds']:.2f} s (building and launching them on the "
                     f"host {e['launch_seconds']:.2f} s), the rest outside the engine "
-                    f"{e['worker_s'] - e['prefill_s'] - e['decode_seconds']:.2f} s"
+                    f"{e['worker_s'] - e['prefill_s'] - e['decode_seconds']:.2f} s, of "
+                    f"which the MLX thread idle with no job {e['idle_s']:.2f} s"
                 )
     if (off := by_mode.get("mlxq")) and (on := by_mode.get("mlxq+prefix")):
         e = on.extra

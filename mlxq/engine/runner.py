@@ -87,6 +87,10 @@ class Runner:
         # Monotonic time of the MLX thread's last completed pass (a step, or an idle wait):
         # the worker's stall watchdog reads it.
         self.last_progress = time.monotonic()
+        # Seconds the MLX thread waited with no job running or pending: the engine starved
+        # (a worker that cannot feed it fast enough shows here, not in the engine's stats).
+        self.idle_seconds = 0.0
+        self._pinging = False  # in the engine's idle ping (its other ranks)
 
     # -- called from other threads -------------------------------------------------
     def start(self) -> ModelInfo:
@@ -134,10 +138,10 @@ class Runner:
 
     @property
     def holds_work(self) -> bool:
-        """Whether the MLX thread has jobs, running or waiting (read from another thread:
-        a snapshot, enough for the worker's stall watchdog)."""
+        """Whether the MLX thread has jobs, running or waiting, or pings its other ranks
+        (read from another thread: a snapshot, enough for the worker's stall watchdog)."""
         engine = self.engine
-        return bool(self._pending) or (engine is not None and engine.active > 0)
+        return self._pinging or bool(self._pending) or (engine is not None and engine.active > 0)
 
     def completions(self, timeout: float = 0.0) -> list[Completion]:
         """Finished jobs, waiting up to ``timeout`` seconds for the first one."""
@@ -189,7 +193,12 @@ class Runner:
         self._ready.set()
         try:
             while not self._stop.is_set():
-                self._take_inbox(block=not self._pending and self.engine.active == 0)
+                if not self._pending and self.engine.active == 0:
+                    waited = time.perf_counter()
+                    self._take_inbox(block=True)
+                    self.idle_seconds += time.perf_counter() - waited
+                else:
+                    self._take_inbox(block=False)
                 self._admit()
                 if self.engine.active:
                     done = self.engine.step()
@@ -197,7 +206,13 @@ class Runner:
                         self._stream.put(chunk)
                     self._emit(done)
                 elif (idle := getattr(self.engine, "idle", None)) is not None:
-                    idle()  # (optional: a distributed engine checks on its other ranks)
+                    # (Optional: a distributed engine pings its other ranks. A ping to a
+                    # rank gone can hang in MLX's ring: work the stall watchdog must see.)
+                    self._pinging = True
+                    try:
+                        idle()
+                    finally:
+                        self._pinging = False
                 self._sample_memory()
                 self.last_progress = time.monotonic()
         except BaseException as e:

@@ -117,12 +117,17 @@ def check_stall(
     jobs are in flight (hung in a native call: heartbeats alone would hold its jobs
     forever)."""
     age = step_age(runner, inflight, awake)
-    if age is not None and age >= stall_timeout:
-        raise EngineStalled(
-            f"the MLX thread completed no step for {age:.0f}s (--stall-timeout "
-            f"{stall_timeout:g}) with {len(inflight)} jobs in flight; putting "
-            "them back and exiting so the service manager restarts this worker"
-        )
+    if age is None or age < stall_timeout:
+        return
+    held = (
+        f"with {len(inflight)} jobs in flight; putting them back"
+        if inflight
+        else "with no job in flight (hung in a call to its other ranks, or on jobs it let go)"
+    )
+    raise EngineStalled(
+        f"the MLX thread completed no step for {age:.0f}s (--stall-timeout "
+        f"{stall_timeout:g}) {held}; exiting so the service manager restarts this worker"
+    )
 
 
 def record_stall(

@@ -23,7 +23,10 @@ from tests.engine.test_distributed import SPLITS, once_each, submit, tp_model
 from tests.helpers import ROOT, Worker, run_mlxq
 
 __all__ = ["tp_model"]  # (the fixture, shared with the tests of a healthy split)
-STALL_S = 20
+STALL_S = 12
+# Heartbeats that lapse this soon let the frozen rank 0's rescue take its jobs back without
+# the default's 30 s wait (what is tested is the wake-up after, not the wait).
+ABANDON = ("--abandon-after", "5")
 # How long past the stall timeout a rank may take to notice, put the jobs back and exit:
 # generous, as a loaded CI machine is slow at all of it (this bounds "it ends by itself",
 # not a speed).
@@ -103,38 +106,32 @@ def test_a_frozen_rank_0_woken_after_a_rescue_finished_its_jobs_runs_none_twice(
     tmp_path: Path,
 ):
     """Rank 0 frozen mid-batch (a Mac asleep) past every timeout; a one-process worker
-    takes its jobs back and finishes them; then rank 0 wakes and puts back nothing that the
-    rescue finished (every job keeps one result). Its peer gone, it exits; where rank 1
-    still waited for it (a rescue faster than rank 1's patience), it serves on, whole."""
+    takes its jobs back and finishes them, and rank 1 gives up on rank 0; then rank 0
+    wakes, puts back nothing that the rescue finished (every job keeps one result), finds
+    its peer gone and exits (a pipeline's ping to the gone rank can hang in MLX's ring:
+    the stall watchdog ends it)."""
     n = 16
     batch = submit(conn, n, 1500)
     worker = tp_worker  # (started before the jobs, as users run it)
     follower = _rank(worker.pid, 1)
     leader = _signal_mid_batch(conn, batch, worker, 0, signal.SIGSTOP)
-    rescue = Worker(valkey_url, tp_model, log=tmp_path / "rescue.log")  # long-lived
+    frozen = time.monotonic()
+    rescue = Worker(valkey_url, tp_model, *ABANDON, log=tmp_path / "rescue.log")  # long-lived
     try:
         try:  # it takes the jobs back once rank 0's heartbeats lapse (--abandon-after)
             batches.wait_for_batch(conn, batch, timeout=300)
+            while process_running(follower):  # (asleep past rank 1's patience too)
+                assert time.monotonic() - frozen < STALL_S + GRACE_S, "rank 1 waited on"
+                time.sleep(0.2)
         finally:
             os.kill(leader, signal.SIGCONT)
-        with contextlib.suppress(AssertionError):
-            _wait(worker)
+        code = _wait(worker)
         err = _err(worker)
         assert "were taken back while it was away" in err, err[-3000:]
-        time.sleep(1.0)
+        assert code in (1, STALLED_EXIT), err[-3000:]
         once_each(conn, batch, n)  # nothing put back: no job runs again, or twice
     finally:
         rescue.stop()
-    if worker.poll() is not None:
-        assert worker.returncode in (0, 1, STALLED_EXIT), err
-        return
-    if not process_running(follower):  # nothing ran twice (checked above); it should have exited
-        # Known, not fixed: seen twice in CI-like runs under load, the pipeline split's
-        # woken rank 0 neither exited nor stalled out within 140 s of finding its peer gone.
-        pytest.xfail(f"rank 0 serves on without its peer:\n{err[-3000:]}")
-    probe = submit(conn, 2, 8)  # (the rescue is gone: only the woken worker can run it)
-    batches.wait_for_batch(conn, probe, timeout=120)
-    once_each(conn, probe, 2)
 
 
 def _signal_mid_batch(
@@ -189,7 +186,7 @@ def tp_worker(
     parallel, its stderr in a file (a pipe nobody reads would fill and block the ranks);
     its whole process group is killed at the end, whatever the test left running."""
     args = ["worker", "--model", tp_model, "--max-batch", "4", "-q", "default"]
-    args += ["--stall-timeout", str(STALL_S), "--hosts", "127.0.0.1,127.0.0.1"]
+    args += ["--stall-timeout", str(STALL_S), *ABANDON, "--hosts", "127.0.0.1,127.0.0.1"]
     args += ["--parallel", request.param]
     log = tmp_path / "tp-worker.log"
     with log.open("w") as err:

@@ -5,6 +5,7 @@ the next model's engine while the caller goes on (``Runner.replace``)."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from mlxq.errors import StartupError
 from mlxq.wire import ModelInfo, WorkerInfo
 from mlxq.worker.config import queues_by_model, worker_queues
 from mlxq.worker.profile import ProfileError, WorkerProfile, load_profile, merge
+from mlxq.worker.watchdog import step_age
 from tests.helpers import worker_record
 
 
@@ -146,4 +148,38 @@ def test_an_engine_with_jobs_is_not_replaced():
             runner.replace(lambda facts: (_Engine("b"), "other")).result(30)  # type: ignore[arg-type,return-value]
         assert runner.engine is engine and not engine.closed and runner.alive
     finally:
+        runner.stop()
+
+
+def test_the_mlx_thread_counts_only_the_time_it_had_no_job_as_idle():
+    idle, busy = _Engine("idle"), _Engine("busy")
+    busy.active = 1  # a job decoding: the thread steps on, never waiting on its inbox
+    runners = [Runner(lambda facts, e=e: e, lambda engine, facts: "s") for e in (idle, busy)]  # type: ignore[misc,arg-type,return-value]
+    for runner in runners:
+        runner.start()
+    try:
+        time.sleep(0.5)
+    finally:
+        for runner in runners:
+            runner.stop()
+    assert runners[0].idle_seconds >= 0.3 and runners[1].idle_seconds == 0.0
+
+
+def test_a_ping_to_other_ranks_that_hangs_is_work_the_stall_watchdog_sees():
+    engine, release = _Engine("ranks"), threading.Event()
+    engine.idle = lambda: release.wait(30)  # type: ignore[attr-defined]  # a rank gone
+    runner = Runner(lambda facts: engine, lambda engine, facts: "s")  # type: ignore[arg-type,return-value]
+    runner.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not runner.holds_work:  # no job, yet the MLX thread is stuck in a native call
+            assert time.monotonic() < deadline, "the hung ping was not counted"
+            time.sleep(0.01)
+        assert step_age(runner, {}) is not None
+        release.set()
+        while runner.holds_work:
+            assert time.monotonic() < deadline, "a finished ping still counted"
+            time.sleep(0.01)
+    finally:
+        release.set()
         runner.stop()
