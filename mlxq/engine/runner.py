@@ -90,7 +90,7 @@ class Runner:
         # Seconds the MLX thread waited with no job running or pending: the engine starved
         # (a worker that cannot feed it fast enough shows here, not in the engine's stats).
         self.idle_seconds = 0.0
-        self._pinging = False  # in the engine's idle ping (its other ranks)
+        self._in_engine = False  # in a step, or a distributed engine's ping
 
     # -- called from other threads -------------------------------------------------
     def start(self) -> ModelInfo:
@@ -138,10 +138,11 @@ class Runner:
 
     @property
     def holds_work(self) -> bool:
-        """Whether the MLX thread has jobs, running or waiting, or pings its other ranks
-        (read from another thread: a snapshot, enough for the worker's stall watchdog)."""
+        """Whether the MLX thread has jobs, running or waiting, or is in a call to the
+        engine (a step, a ping of other ranks), which may hang with no job left (read from
+        another thread: a snapshot, enough for the worker's stall watchdog)."""
         engine = self.engine
-        return self._pinging or bool(self._pending) or (engine is not None and engine.active > 0)
+        return self._in_engine or bool(self._pending) or (engine is not None and engine.active > 0)
 
     def completions(self, timeout: float = 0.0) -> list[Completion]:
         """Finished jobs, waiting up to ``timeout`` seconds for the first one."""
@@ -200,19 +201,11 @@ class Runner:
                 else:
                     self._take_inbox(block=False)
                 self._admit()
-                if self.engine.active:
-                    done = self.engine.step()
-                    for chunk in self.engine.take_stream():
-                        self._stream.put(chunk)
-                    self._emit(done)
-                elif (idle := getattr(self.engine, "idle", None)) is not None:
-                    # (Optional: a distributed engine pings its other ranks. A ping to a
-                    # rank gone can hang in MLX's ring: work the stall watchdog must see.)
-                    self._pinging = True
-                    try:
-                        idle()
-                    finally:
-                        self._pinging = False
+                self._in_engine = True  # (a call that hangs: work the stall watchdog sees)
+                try:
+                    self._engine_pass()
+                finally:
+                    self._in_engine = False
                 self._sample_memory()
                 self.last_progress = time.monotonic()
         except BaseException as e:
@@ -221,6 +214,20 @@ class Runner:
         finally:
             if self.engine is not None:
                 self.engine.close()
+
+    def _engine_pass(self) -> None:
+        """A step of the jobs, or (none running) a distributed engine's ping of its other
+        ranks. Either can hang with no job left: a step whose last rows just ended clears
+        MLX's cache, which waits for every stream, and a pipeline's relay stream can hold
+        a send to a rank that is gone; so can a ping."""
+        assert self.engine is not None
+        if self.engine.active:
+            done = self.engine.step()
+            for chunk in self.engine.take_stream():
+                self._stream.put(chunk)
+            self._emit(done)
+        elif (idle := getattr(self.engine, "idle", None)) is not None:
+            idle()
 
     def _sample_memory(self) -> None:
         if time.monotonic() - self._memory_at >= 1.0:

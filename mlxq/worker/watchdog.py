@@ -122,7 +122,7 @@ def check_stall(
     held = (
         f"with {len(inflight)} jobs in flight; putting them back"
         if inflight
-        else "with no job in flight (hung in a call to its other ranks, or on jobs it let go)"
+        else "with no job in flight (hung in a call into MLX or to its other ranks)"
     )
     raise EngineStalled(
         f"the MLX thread completed no step for {age:.0f}s (--stall-timeout "

@@ -208,7 +208,10 @@ def test_scheduler_sizes_prefill_only_when_automatic():
         context_length=4096,
         auto_prefill=True,
     )
+    assert s.fetch_count(64) == 8  # the batch held: its prefetch beyond
     assert s.prefill_batch([256] * 10) == 64
+    # A prefill call's worth waits beyond the batch: a wave ending together refills at once.
+    assert s.fetch_count(64) == 64 and s.fetch_count(128) == 0
     assert s.prefill_batch([]) is None
     fixed = Scheduler(max_batch=64, kv_bytes_per_token=1, budget_bytes=10**9, context_length=4096)
     assert fixed.prefill_batch([256] * 10) is None

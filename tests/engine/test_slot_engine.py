@@ -392,3 +392,20 @@ def test_lora_adapter_equals_mlx_lm(
     for key, request in JOBS.items():
         expected = reference(model, tokenizer, engine.encode(request), request)["tokens"]
         assert done[key].token_ids == expected, key
+
+
+def test_a_pipeline_stage_never_clears_mlx_s_cache(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mx.clear_cache`` waits for every stream holding the GIL: on a stage whose relay
+    holds a send to a rank that is gone it hangs the whole process. A plain engine gives
+    MLX's buffers back once idle; a stage keeps them."""
+    model, tokenizer = tiny
+    cleared: list[int] = []
+    monkeypatch.setattr(mx, "clear_cache", lambda: cleared.append(1))
+    for stage in (False, True):
+        engine = SlotEngine.from_loaded(model, tokenizer, "tiny")
+        if stage:
+            engine.as_stage(True)
+        cleared.clear()
+        done = run_all(engine, {"a": Request(prompt=[5, 6, 7], max_tokens=4)})
+        assert done["a"].finish_reason == "length"
+        assert bool(cleared) is not stage

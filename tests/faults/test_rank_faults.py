@@ -108,8 +108,8 @@ def test_a_frozen_rank_0_woken_after_a_rescue_finished_its_jobs_runs_none_twice(
     """Rank 0 frozen mid-batch (a Mac asleep) past every timeout; a one-process worker
     takes its jobs back and finishes them, and rank 1 gives up on rank 0; then rank 0
     wakes, puts back nothing that the rescue finished (every job keeps one result), finds
-    its peer gone and exits (a pipeline's ping to the gone rank can hang in MLX's ring:
-    the stall watchdog ends it)."""
+    its peer gone and exits (a call that waits on the gone rank, a ping or the cache's
+    clearing once the batch emptied, can hang in MLX's ring: the stall watchdog ends it)."""
     n = 16
     batch = submit(conn, n, 1500)
     worker = tp_worker  # (started before the jobs, as users run it)

@@ -183,3 +183,26 @@ def test_a_ping_to_other_ranks_that_hangs_is_work_the_stall_watchdog_sees():
     finally:
         release.set()
         runner.stop()
+
+
+def test_a_step_that_hangs_after_its_last_rows_ended_is_work_the_stall_watchdog_sees():
+    """As a pipeline's step that empties the batch, then clears MLX's cache, which waits
+    on a stream with a send to a rank that is gone."""
+    engine, entered, release = _Engine("ranks"), threading.Event(), threading.Event()
+    engine.active = 1
+
+    def step() -> list[Any]:
+        engine.active = 0  # its last rows ended
+        entered.set()
+        release.wait(30)
+        return []
+
+    engine.step = step  # type: ignore[method-assign]
+    runner = Runner(lambda facts: engine, lambda engine, facts: "s")  # type: ignore[arg-type,return-value]
+    runner.start()
+    try:
+        assert entered.wait(10)
+        assert runner.holds_work and step_age(runner, {}) is not None
+    finally:
+        release.set()
+        runner.stop()

@@ -70,6 +70,7 @@ class SlotBatch:
         self.chunks: list[StreamChunk] = []  # stream jobs' new output, until taken
         self.stats = EngineStats()
         self.steps = 0  # decode steps so far (joins and sorts are paced by it)
+        self.stage = False  # a pipeline stage's (see give_back_memory)
         self.inflight: Step | None = None  # the decode step launched, not yet collected
         self.cache: SlotCache
         self.forward: CompiledForward | None  # the compiled forward over the cache, if any
@@ -141,7 +142,7 @@ class SlotBatch:
         failed = [c for slot in list(self.rows) for c in self.finish(slot, "error", error)]
         self.inflight = None
         self.new_cache()
-        mx.clear_cache()
+        self.give_back_memory()
         return failed
 
     # -- the cache laid out for the rows --
@@ -199,4 +200,12 @@ class SlotBatch:
         """Hold no cache while no row is live."""
         if not self.rows and self.cache.rows:
             self.cache.release()
-            mx.clear_cache()  # (MLX keeps freed buffers for reuse: give them back)
+            self.give_back_memory()
+
+    def give_back_memory(self) -> None:
+        """Give MLX's freed buffers back (it keeps them for reuse), except on a pipeline
+        stage: ``mx.clear_cache`` waits for every stream holding Python's GIL, and a
+        stage's relay stream can hold a send to a rank that is gone, which never ends:
+        the whole process would hang, its stall watchdog with it."""
+        if not self.stage:
+            mx.clear_cache()

@@ -280,6 +280,7 @@ class SlotEngine:
         a compiled forward cannot); unless it ``samples``, each decode step's tokens come
         from the rank that does, through :meth:`deliver`, before they are read."""
         self.decoder.relayed = not samples
+        self.batch.stage = True
         self.batch.choices = dataclasses.replace(self.batch.choices, compiled=False)
         self.batch.forward = None
 

@@ -97,7 +97,7 @@ class Joiner:
         try:
             rows = self._run(group, slots, suffixes, prefix)
         except Exception as exc:
-            mx.clear_cache()
+            b.give_back_memory()
             return self._failed(group, slots, exc)
         b.stats.prefilled_tokens += sum(len(s) for s in suffixes)
         b.stats.prefill_calls += 1
