@@ -103,8 +103,9 @@ def step_age(
     runner: Runner, inflight: dict[str, InFlight], awake: Awake | None = None
 ) -> float | None:
     """Seconds since the MLX thread's last completed pass (or since this process woke, if
-    later), while it has jobs: the worker's in flight, or jobs it let go of that the MLX
-    thread has not yet dropped (a thread hung in a native call never does)."""
+    later), while it has work: the worker's jobs in flight, jobs it let go of that the MLX
+    thread has not yet dropped (a thread hung in a native call never does), or a call into
+    the engine not yet returned (:attr:`~mlxq.engine.runner.Runner.holds_work`)."""
     if not inflight and not runner.holds_work:
         return None
     return time.monotonic() - max(runner.last_progress, awake.since if awake else 0.0)
@@ -113,9 +114,9 @@ def step_age(
 def check_stall(
     runner: Runner, inflight: dict[str, InFlight], stall_timeout: float, awake: Awake
 ) -> None:
-    """Give up on an MLX thread that has made no progress for ``stall_timeout`` s while
-    jobs are in flight (hung in a native call: heartbeats alone would hold its jobs
-    forever)."""
+    """Give up on an MLX thread that has made no progress for ``stall_timeout`` s while it
+    has work (:func:`step_age`; hung in a native call: heartbeats alone would hold its jobs
+    forever, and a worker holding none would sit there broken)."""
     age = step_age(runner, inflight, awake)
     if age is None or age < stall_timeout:
         return
