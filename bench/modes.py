@@ -174,13 +174,10 @@ def run_mlxq(
     url: str,
     prefix_cache_bytes: int = 0,
     engine: str = "slot",
-    prefetch: int | None = None,
 ):
     """Submit, run a burst worker on the main thread, read every result back.
 
-    ``engine``: "slot" (mlxq's default engine) or "batch_generator" (mode ``mlxq-bg``);
-    ``prefetch``: the scheduler's ``prefetch`` instead of its own (jobs held beyond the
-    batch, at least).
+    ``engine``: "slot" (mlxq's default engine) or "batch_generator" (mode ``mlxq-bg``).
 
     The prompt tok/s is effective: the requests' prompt tokens over the engine's prefill
     time (``Engine.stats()``), so prompt tokens taken from the prefix cache count too.
@@ -208,13 +205,7 @@ def run_mlxq(
         readings["start"] = engine.stats()
         return engine
 
-    def make_scheduler(_engine: Any, _facts: Any) -> Any:
-        scheduler = build_scheduler(configs[0])
-        if prefetch is not None:
-            scheduler.prefetch = prefetch
-        return scheduler
-
-    runner = Runner(make_engine, make_scheduler)
+    runner = Runner(make_engine, lambda engine, facts: build_scheduler(configs[0]))
     runner.start()
     conn = connect(url)
     queue = bench_queue()

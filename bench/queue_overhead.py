@@ -87,10 +87,6 @@ class StubEngine:
     def take_stream(self) -> list[StreamChunk]:
         return []
 
-    def ending_within(self, steps: int) -> int:
-        """Jobs that their max_tokens ends within ``steps`` steps (as the slot engine's)."""
-        return sum(1 for j in list(self._jobs.values()) if j["max"] - j["n"] <= steps)
-
     def stats(self) -> EngineStats:
         return EngineStats(generated_tokens=self.generated, decode_seconds=self.busy_s)
 

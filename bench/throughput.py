@@ -179,9 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                 step = size.profile.prefill_step
                 return run_raw(model, wl, size.batch, prefill_for(wl, size), step)
             engine = "slot" if mode == "mlxq" else "batch_generator"
-            return run_mlxq(
-                model, tokenizer, name, wl, size.profile, url, cache_bytes, engine, args.prefetch
-            )
+            return run_mlxq(model, tokenizer, name, wl, size.profile, url, cache_bytes, engine)
 
         if args.warm_modes:
             warm_modes(workloads, variants, run_one)

@@ -101,12 +101,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="mlxq's (and raw's) prefill batch size (default: the worker's default)",
     )
     ap.add_argument(
-        "--prefetch",
-        type=int,
-        help="mlxq: jobs the worker holds beyond its batch, at least (default: the "
-        "scheduler's: one automatic prefill call's worth)",
-    )
-    ap.add_argument(
         "--quantize", type=int, choices=(4, 8), help="quantize the weights to this many bits"
     )
     ap.add_argument(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 import queue
 import threading
 import time
@@ -32,12 +31,6 @@ log = logging.getLogger("mlxq.engine.runner")
 
 # How long the idle MLX thread sleeps on its inbox before checking for stop.
 IDLE_WAIT_S = 0.1
-# How far ahead the worker pulls jobs for rows that its max_tokens will end: they arrive
-# before the rows end, so rows ending together refill at once rather than a Redis round
-# trip later, in pieces (in decode steps: this long over a recent step's time, at most
-# MAX_LEAD_STEPS).
-ENDING_LEAD_S = 0.1
-MAX_LEAD_STEPS = 64
 
 
 @dataclass
@@ -98,7 +91,6 @@ class Runner:
         # (a worker that cannot feed it fast enough shows here, not in the engine's stats).
         self.idle_seconds = 0.0
         self._in_engine = False  # in a step, or a distributed engine's ping
-        self.step_seconds = 0.0  # a pass with jobs, lately (a moving average)
 
     # -- called from other threads -------------------------------------------------
     def start(self) -> ModelInfo:
@@ -151,16 +143,6 @@ class Runner:
         another thread: a snapshot, enough for the worker's stall watchdog)."""
         engine = self.engine
         return self._in_engine or bool(self._pending) or (engine is not None and engine.active > 0)
-
-    def rows_ending_soon(self) -> int:
-        """Rows of the batch that their ``max_tokens`` ends within about
-        :data:`ENDING_LEAD_S` (0 where the engine cannot say): the worker pulls their
-        successors ahead (read from another thread: a snapshot)."""
-        ending = getattr(self.engine, "ending_within", None)
-        if ending is None or self.step_seconds <= 0:
-            return 0
-        steps = min(MAX_LEAD_STEPS, max(1, math.ceil(ENDING_LEAD_S / self.step_seconds)))
-        return ending(steps)
 
     def completions(self, timeout: float = 0.0) -> list[Completion]:
         """Finished jobs, waiting up to ``timeout`` seconds for the first one."""
@@ -219,14 +201,11 @@ class Runner:
                 else:
                     self._take_inbox(block=False)
                 self._admit()
-                began, stepping = time.perf_counter(), self.engine.active > 0
                 self._in_engine = True  # (a call that hangs: work the stall watchdog sees)
                 try:
                     self._engine_pass()
                 finally:
                     self._in_engine = False
-                if stepping:
-                    self.step_seconds += (time.perf_counter() - began - self.step_seconds) / 8
                 self._sample_memory()
                 self.last_progress = time.monotonic()
         except BaseException as e:

@@ -234,23 +234,21 @@ class Scheduler:
         longest = max(self._reserved.values(), default=0)
         return slot_cache_bytes(self.active, longest, self.kv_bytes_per_token)
 
-    def fetch_count(self, held: int, ending: int = 0) -> int:
-        """How many more jobs to pull from Redis when ``held`` are already in hand and
-        ``ending`` of the batch's rows end within the next few steps (by their
-        ``max_tokens``).
+    def fetch_count(self, held: int) -> int:
+        """How many more jobs to pull from Redis when ``held`` are already in hand.
 
         Some beyond the batch size are prefetched so a finished job's slot is filled at
         the next step, not after a Redis round trip: ``prefetch``, or one automatic
-        prefill call's worth if more (at most the batch size); and one for each row about
-        to end, so that rows ending together (equal lengths) refill at once instead of a
-        few at a time, staggered (a uniform 1B run on a GPU: 561 steps instead of 512,
-        2.14x instead of 2.45x raw mlx-lm's tok/s with the whole wave prefetched:
+        prefill call's worth if more (at most the batch size), so that rows ending
+        together (equal lengths, short answers) refill at once instead of a few at a
+        time, staggered (a uniform 1B run on a GPU: 561 steps instead of 512, 2.14x
+        instead of 2.45x raw mlx-lm's tok/s with the whole wave prefetched:
         bench/RESULTS.md). The batch size here is what memory holds of jobs as long as
         the ones admitted last (:meth:`planned_rows`): a worker does not hold jobs it
         could not admit for long while other workers idle.
         """
         ahead = max(self.prefetch, self._prefill_size)
-        return max(0, self.planned_rows() + ahead + ending - held)
+        return max(0, self.planned_rows() + ahead - held)
 
     def planned_rows(self) -> int:
         """The rows the batch can reach with jobs like the last :data:`RECENT_JOBS`

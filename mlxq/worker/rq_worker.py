@@ -181,7 +181,7 @@ class MlxqWorker(RQWorkerBase):
         self._report_if_due()
         self.watchdog.control_if_due(self.inflight)
         if self.inflight:
-            self._finish(self.runner.completions(timeout=BUSY_WAIT_S), refill=not closed)
+            self._finish(self.runner.completions(timeout=BUSY_WAIT_S))
         if not self.runner.alive:
             raise EngineDied("the MLX thread stopped on an error (logged above)")
         if self.watchdog.woke(self.inflight):
@@ -228,7 +228,7 @@ class MlxqWorker(RQWorkerBase):
         """
         scheduler = self.runner.scheduler
         assert scheduler is not None
-        want = scheduler.fetch_count(len(self.inflight), self.runner.rows_ending_soon())
+        want = scheduler.fetch_count(len(self.inflight))
         # The backoff spares Redis while busy; an idle worker always looks (burst exits
         # on an empty look, so it must be a real one).
         if want <= 0 or (self.inflight and time.monotonic() < self._next_pull_at):
@@ -290,14 +290,10 @@ class MlxqWorker(RQWorkerBase):
         self._flush()
 
     # -- finishing jobs ------------------------------------------------------------------
-    def _finish(self, completions: list[Completion], refill: bool = False) -> None:
+    def _finish(self, completions: list[Completion]) -> None:
         """Take what the MLX thread finished, then write back everything owed: stream
-        output, results in one transaction, failures through RQ. ``refill``: pull jobs
-        for the freed rows first, so they join the batch a Redis round trip sooner (the
-        results wait for that pull, not the rows for the results' writes)."""
+        output, results in one transaction, failures through RQ."""
         self._take(completions)
-        if refill and completions:
-            self._pull(block=False)
         self._flush()
         if not self.inflight and self.get_state() == WorkerStatus.BUSY:
             self.set_state(WorkerStatus.IDLE)

@@ -94,14 +94,6 @@ def test_fetch_count_prefetches_beyond_the_batch():
     assert s.fetch_count(0) == 6 and s.fetch_count(6) == 0 and s.fetch_count(9) == 0
 
 
-def test_fetch_count_pulls_ahead_for_rows_about_to_end():
-    s = make(max_batch=4, budget=10**6)
-    # The batch and its prefetch held, 3 rows ending in a few steps: their successors
-    # come now, so the rows refill at the step they end, together.
-    assert s.fetch_count(6, ending=3) == 3 and s.fetch_count(9, ending=3) == 0
-    assert s.fetch_count(6, ending=0) == 0
-
-
 def test_rows_that_fit_follow_the_slot_cache_rectangle():
     gib = 2**30
     budget = memory_budget(16 * gib, 2 * gib, 0.75)

@@ -231,18 +231,6 @@ def test_stop_strings_and_eos(tiny, tiny_model_dir: Path) -> None:
     )
 
 
-def test_ending_within_counts_rows_that_max_tokens_ends_soon(engine: SlotEngine) -> None:
-    for key, max_tokens in (("short", 3), ("mid", 6), ("long", 40)):
-        engine.add(EngineJob(key, Request(prompt=[1, 2, 3, 4], max_tokens=max_tokens)))
-    assert engine.ending_within(64) == 0  # none decoding yet: waiting jobs are not rows
-    engine.step()  # prefilled and seated; the first decode step launched
-    assert engine.ending_within(1) == 0
-    assert engine.ending_within(2) == 1  # "short": two steps more launch its last tokens
-    assert engine.ending_within(5) == 2 and engine.ending_within(64) == 3
-    done = {c.key for _ in range(3) for c in engine.step()}
-    assert "short" in done and engine.ending_within(2) == 1  # "mid" now, not "short"
-
-
 def test_cancel_and_streaming(tiny, engine: SlotEngine) -> None:
     model, tokenizer = tiny
     engine.add(EngineJob("a", REQUESTS[0]))

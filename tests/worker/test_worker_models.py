@@ -165,22 +165,6 @@ def test_the_mlx_thread_counts_only_the_time_it_had_no_job_as_idle():
     assert runners[0].idle_seconds >= 0.3 and runners[1].idle_seconds == 0.0
 
 
-def test_the_worker_is_told_of_rows_ending_within_a_tenth_of_a_second_of_steps():
-    engine, asked = _Engine("ending"), []
-    engine.ending_within = lambda steps: asked.append(steps) or 7  # type: ignore[attr-defined]
-    runner = Runner(lambda facts: engine, lambda engine, facts: "s")  # type: ignore[arg-type,return-value]
-    assert runner.rows_ending_soon() == 0  # no step timed yet: nothing to go by
-    runner.engine, runner.step_seconds = engine, 0.004  # type: ignore[assignment]
-    assert runner.rows_ending_soon() == 7 and asked == [25]  # 0.1 s of 4 ms steps
-    runner.step_seconds = 1e-6
-    runner.rows_ending_soon()
-    runner.step_seconds = 3.0  # a slow step: the next one
-    runner.rows_ending_soon()
-    assert asked[1:] == [64, 1]
-    runner.engine = _Engine("none")  # type: ignore[assignment]  # an engine that cannot say
-    assert runner.rows_ending_soon() == 0
-
-
 def test_a_ping_to_other_ranks_that_hangs_is_work_the_stall_watchdog_sees():
     engine, release = _Engine("ranks"), threading.Event()
     engine.idle = lambda: release.wait(30)  # type: ignore[attr-defined]  # a rank gone

@@ -178,16 +178,6 @@ class SlotEngine:
         """Whether a job of this key is in the engine (waiting or decoding)."""
         return self.batch.holds(key)
 
-    def ending_within(self, steps: int) -> int:
-        """Decoding rows that reach their ``max_tokens`` within ``steps`` more decode steps
-        (read from the worker's thread: a snapshot, as the rows stood at some step)."""
-        lengths = self.batch.cache.lengths
-        rows = list(self.batch.rows.values())  # (one C call: no step interleaves)
-        try:
-            return sum(1 for r in rows if r.limit - lengths[r.slot] <= steps)
-        except IndexError:  # the cache was laid out anew meanwhile: ask again next time
-            return 0
-
     # -- what the worker asks --
 
     def set_prefill_batch(self, n: int) -> None:
