@@ -1,9 +1,10 @@
 """How each mode of ``throughput.py`` runs a workload, and the figures it returns.
 
 ``naive`` (one request at a time, extrapolated), ``batch_generate`` (mlx-lm's function),
-``raw`` (mlx-lm's ``BatchGenerator`` at mlxq's sizes) and ``mlxq`` / ``mlxq-bg`` (submit,
-a burst worker, results read back: the whole product path). ``throughput.py`` picks the
-modes, the model and the workloads, and reports.
+``raw`` (mlx-lm's ``BatchGenerator`` at mlxq's sizes), ``mlxq`` / ``mlxq-bg`` (submit,
+a burst worker, results read back: the whole product path) and ``mlxq-direct`` (mlxq's
+engine on its Runner, the jobs handed over in-process: no Redis, no worker thread).
+``throughput.py`` picks the modes, the model and the workloads, and reports.
 """
 
 from __future__ import annotations
@@ -183,30 +184,11 @@ def run_mlxq(
     time (``Engine.stats()``), so prompt tokens taken from the prefix cache count too.
     """
     from mlxq.broker.batches import connect, iter_batch_results, submit
-    from mlxq.engine.models.facts import model_info
-    from mlxq.engine.protocol import BatchEngine
-    from mlxq.engine.runner import Runner
     from mlxq.wire import Request
-    from mlxq.worker.config import resolve
-    from mlxq.worker.launch import build_scheduler, engine_for
     from mlxq.worker.rq_worker import MlxqWorker
 
     readings: dict[str, Any] = {}
-    configs: list[Any] = []
-    kind = engine
-
-    def make_engine(facts: Any) -> BatchEngine:  # as mlxq.worker.launch.Setup, loaded model
-        info = model_info(model, name, vocab_size=len(tokenizer))
-        config = dataclasses.replace(
-            resolve(profile, facts, info), prefix_cache_bytes=prefix_cache_bytes
-        )
-        configs.append(config)
-        engine = engine_for(model, tokenizer, config, engine=kind)
-        readings["start"] = engine.stats()
-        return engine
-
-    runner = Runner(make_engine, lambda engine, facts: build_scheduler(configs[0]))
-    runner.start()
+    runner = _runner(model, tokenizer, name, profile, prefix_cache_bytes, engine, readings)
     conn = connect(url)
     queue = bench_queue()
     requests = [
@@ -245,6 +227,79 @@ def run_mlxq(
         result.extra["prefix_cache_bytes"] = prefix_cache_bytes
         keep += PREFIX_STATS
     result.extra.update({k: getattr(done_work, k) for k in keep})
+    return result
+
+
+def _runner(
+    model: Any,
+    tokenizer: Any,
+    name: str,
+    profile: Any,
+    prefix_cache_bytes: int,
+    kind: str,
+    readings: dict[str, Any],
+) -> Any:
+    """A started Runner over the loaded model, its engine and scheduler as a worker of
+    ``profile`` makes them (``readings["start"]``: the engine's stats before any job)."""
+    from mlxq.engine.models.facts import model_info
+    from mlxq.engine.protocol import BatchEngine
+    from mlxq.engine.runner import Runner
+    from mlxq.worker.config import resolve
+    from mlxq.worker.launch import build_scheduler, engine_for
+
+    configs: list[Any] = []
+
+    def make_engine(facts: Any) -> BatchEngine:  # as mlxq.worker.launch.Setup, loaded model
+        info = model_info(model, name, vocab_size=len(tokenizer))
+        config = dataclasses.replace(
+            resolve(profile, facts, info), prefix_cache_bytes=prefix_cache_bytes
+        )
+        configs.append(config)
+        engine = engine_for(model, tokenizer, config, engine=kind)
+        readings["start"] = engine.stats()
+        return engine
+
+    runner = Runner(make_engine, lambda engine, facts: build_scheduler(configs[0], False))
+    runner.start()
+    return runner
+
+
+def run_mlxq_direct(model: Any, tokenizer: Any, name: str, wl: Workload, profile: Any):
+    """mlxq's slot engine on its Runner, every job handed over in-process at once: no
+    Redis and no worker thread beside the MLX thread (what the queue costs is mode
+    ``mlxq`` against this one)."""
+    from mlxq.engine.runner import Work
+    from mlxq.engine.sampling import EngineJob
+    from mlxq.wire import Request
+
+    readings: dict[str, Any] = {}
+    runner = _runner(model, tokenizer, name, profile, 0, "slot", readings)
+    works = [
+        Work(EngineJob(f"r{i}", Request(prompt=p, max_tokens=m)), list(p))
+        for i, (p, m) in enumerate(zip(wl.prompts, wl.max_tokens, strict=True))
+    ]
+    done = []
+    try:
+        idle_before, clock = runner.idle_seconds, Stopwatch()
+        runner.submit(works)
+        while len(done) < len(works):
+            done += runner.completions(timeout=1.0)
+            if not runner.alive:
+                raise RuntimeError("the MLX thread stopped (logged above)")
+        wall = clock.stop()
+        idle_s = runner.idle_seconds - idle_before
+    finally:
+        runner.stop()
+    ended = [c for c in done if c.finish_reason in ("length", "stop")]
+    work = runner.engine.stats().since(readings["start"])
+    gen = sum(len(c.token_ids) for c in ended)
+    result = ModeResult(
+        "mlxq-direct", wall, gen, wl.prompt_tokens, rate(wl.prompt_tokens, work.prefill_seconds)
+    )
+    result.peak_gb = peak_gb()
+    result.expected_gen_tokens, result.errors = wl.gen_tokens, len(done) - len(ended)
+    result.extra = {"worker_s": wall, "prefill_s": work.prefill_seconds, "idle_s": idle_s}
+    result.extra.update({k: getattr(work, k) for k in WORK_STATS})
     return result
 
 

@@ -46,6 +46,7 @@ from modes import (
     median_run,
     run_batch_generate,
     run_mlxq,
+    run_mlxq_direct,
     run_naive,
     run_raw,
 )
@@ -178,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             if mode == "raw":
                 step = size.profile.prefill_step
                 return run_raw(model, wl, size.batch, prefill_for(wl, size), step)
+            if mode == "mlxq-direct":
+                return run_mlxq_direct(model, tokenizer, name, wl, size.profile)
             engine = "slot" if mode == "mlxq" else "batch_generator"
             return run_mlxq(model, tokenizer, name, wl, size.profile, url, cache_bytes, engine)
 

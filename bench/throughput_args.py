@@ -8,7 +8,7 @@ import argparse
 from throughput_sweep import parse_batches
 from workloads import WORKLOADS
 
-MODES = ("naive", "batch_generate", "raw", "mlxq", "mlxq-bg")
+MODES = ("naive", "batch_generate", "raw", "mlxq", "mlxq-bg", "mlxq-direct")
 # --prefix-cache: the engine's prefix cache gets this share of the scheduler's KV budget.
 PREFIX_CACHE_SHARE = 0.1
 # --workload realistic: the headline workloads and their uniform twins.

@@ -56,11 +56,12 @@ def report(header: str, results: list[ModeResult], wl: Workload) -> str:
             )
         if r.mode.startswith("mlxq"):
             e = r.extra
-            notes.append(
-                f"  {r.mode}: submit {e['submit_s']:.2f} s + worker {e['worker_s']:.2f} s + "
-                f"read results {e['read_s']:.2f} s (then the worker's exit, not counted: "
-                f"{e['worker_exit_s']:.2f} s)"
-            )
+            if "submit_s" in e:  # (through Redis; mlxq-direct hands its jobs over in-process)
+                notes.append(
+                    f"  {r.mode}: submit {e['submit_s']:.2f} s + worker {e['worker_s']:.2f} s + "
+                    f"read results {e['read_s']:.2f} s (then the worker's exit, not counted: "
+                    f"{e['worker_exit_s']:.2f} s)"
+                )
             if e.get("decode_steps"):  # the slot engine: where the worker's time went
                 notes.append(
                     f"  {r.mode}: prefill {e['prefill_s']:.2f} s in {e['prefill_calls']:,} calls, "

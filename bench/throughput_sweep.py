@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 # Modes whose batch is mlxq's: run at every size of a sweep.
-BATCHED_MODES = ("raw", "mlxq", "mlxq-bg")
+BATCHED_MODES = ("raw", "mlxq", "mlxq-bg", "mlxq-direct")
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ def test_throughput_runs_a_varied_workload_and_its_twin(valkey_url: str, tmp_pat
     out = run_script(
         "bench/throughput.py",
         *("--preset", "tiny", "--requests", "6", "--batch", "2"),
-        *("--workload", "varied,varied-twin", "--modes", "raw,mlxq,mlxq-bg"),
+        *("--workload", "varied,varied-twin", "--modes", "raw,mlxq,mlxq-bg,mlxq-direct"),
         *("--redis-url", valkey_url, "--export-jsonl", str(tmp_path)),
     )
     assert "varied vs its uniform twin (gen tok/s): raw" in out.stdout
