@@ -259,7 +259,7 @@ def _runner(
         readings["start"] = engine.stats()
         return engine
 
-    runner = Runner(make_engine, lambda engine, facts: build_scheduler(configs[0], False))
+    runner = Runner(make_engine, lambda engine, facts: build_scheduler(configs[0]))
     runner.start()
     return runner
 
@@ -278,7 +278,7 @@ def run_mlxq_direct(model: Any, tokenizer: Any, name: str, wl: Workload, profile
         Work(EngineJob(f"r{i}", Request(prompt=p, max_tokens=m)), list(p))
         for i, (p, m) in enumerate(zip(wl.prompts, wl.max_tokens, strict=True))
     ]
-    done = []
+    done: list[Any] = []
     try:
         idle_before, clock = runner.idle_seconds, Stopwatch()
         runner.submit(works)
