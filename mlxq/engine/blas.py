@@ -3,13 +3,20 @@
 MLX's Linux CPU wheel links the reference BLAS (a few GFLOP/s); preloading OpenBLAS
 (Debian/Ubuntu ``libopenblas0-pthread``) is about 40x faster. ``LD_PRELOAD`` only acts at
 process start, so commands that run a model re-execute themselves once with it set.
+:func:`shared_among` shares OpenBLAS's threads for a block (a prefill split over CPU
+streams runs one multiply a stream at once, :mod:`mlxq.engine.slots.prefill_streams`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -46,3 +53,33 @@ def reexec_with_openblas() -> None:
     if env is None:
         return
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+@functools.cache
+def _openblas() -> Any:
+    """The OpenBLAS loaded in this process (its thread calls), or None (another BLAS)."""
+    try:
+        lib = ctypes.CDLL(None)
+        lib.openblas_set_num_threads.argtypes = [ctypes.c_int]
+        lib.openblas_get_num_threads.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+@contextlib.contextmanager
+def shared_among(parts: int) -> Iterator[None]:
+    """Inside the block OpenBLAS runs each multiply on its threads divided by ``parts``
+    (at least one), for that many multiplies at once; as before after it. Nothing where
+    another BLAS is loaded. Only where no multiply runs when it starts and ends."""
+    lib = _openblas()
+    before = lib.openblas_get_num_threads() if lib is not None else 1
+    each = max(1, before // parts)
+    if lib is None or each == before:
+        yield
+        return
+    lib.openblas_set_num_threads(each)
+    try:
+        yield
+    finally:
+        lib.openblas_set_num_threads(before)

@@ -26,6 +26,7 @@ from mlxq.engine.sampling import EngineJob
 from mlxq.engine.slots import choices as slot_choices
 from mlxq.engine.slots.engine import SlotEngine
 from mlxq.engine.slots.joins import JoinPolicy
+from mlxq.engine.slots.prefill_streams import STREAMS_ENV
 from mlxq.wire import Request
 
 ENGINES = {"slot": SlotEngine, "batch_generator": BatchGeneratorEngine}
@@ -136,10 +137,13 @@ class LongPrefillFails(FlakyModel):
         return super().__call__(inputs, *args, **kwargs)
 
 
-def test_a_failed_prefill_fails_only_the_job_at_fault(tiny) -> None:
+@pytest.mark.parametrize("streams", ["1", "2"])
+def test_a_failed_prefill_fails_only_the_job_at_fault(tiny, monkeypatch, streams) -> None:
     """A prefill group of three fails (one prompt too long for the model): the rows
     decoding meanwhile go on, the group's jobs are prefilled again one by one, and only
-    the long one ends in error; the others' tokens equal mlx-lm's."""
+    the long one ends in error; the others' tokens equal mlx-lm's. The same where the
+    group's prefill is split over two CPU streams (its first part fails there)."""
+    monkeypatch.setenv(STREAMS_ENV, streams)
     model, tokenizer = tiny
     flaky = LongPrefillFails(model, limit=40)
     engine = SlotEngine.from_loaded(flaky, tokenizer, "tiny", max_batch=8, prefill_batch=4)
@@ -150,6 +154,7 @@ def test_a_failed_prefill_fails_only_the_job_at_fault(tiny) -> None:
     for _ in range(3):
         done.update({c.key: c for c in engine.step()})
     group = {f"p{n}": Request(prompt=_prompt(n), max_tokens=8) for n in (20, 1, 60)}
+    before = len(flaky.calls)
     for key, request in group.items():
         assert engine.add(EngineJob(key, request)) is None
     done.update(run_all(engine, {}))
@@ -158,8 +163,10 @@ def test_a_failed_prefill_fails_only_the_job_at_fault(tiny) -> None:
     assert "could not start the job" in done["p60"].error
     assert "out of memory" in done["p60"].error
     _check(tiny, engine, {**running, **group}, done)
-    together = [s for s in flaky.calls if s[0] > 1 and s[1] > 1]
-    assert together, "the three were never prefilled together"
+    # The group's first prefill call: all three padded to the longest (59 tokens: its
+    # prompt less the last); split, its first part is the 20-token prompt alone.
+    first = next(s for s in flaky.calls[before:] if s[1] > 1)
+    assert first == ((3, 59) if streams == "1" else (1, 59)), "never prefilled together"
     assert engine.batch.cache.free_slots == 8 and not engine.active
 
 

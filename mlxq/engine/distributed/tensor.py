@@ -32,10 +32,17 @@ def unshardable(model: nn.Module, size: int) -> str | None:
     return None
 
 
+# A model whose forward runs collectives (two ``all_sum`` a layer) has this attribute set:
+# every rank must run them in one order, so its prefill stays on one stream.
+COLLECTIVES = "mlxq_runs_collectives"
+
+
 def shard(model: nn.Module, group: mx.distributed.Group) -> None:
-    """Keep this rank's share of every layer (``unshardable`` said it can), loaded."""
+    """Keep this rank's share of every layer (``unshardable`` said it can), loaded; the
+    model is marked as running collectives (:data:`COLLECTIVES`)."""
     model.shard(group)
     mx.eval(model.parameters())
+    setattr(model, COLLECTIVES, True)
 
 
 def rank_info(info: ModelInfo, size: int) -> ModelInfo:

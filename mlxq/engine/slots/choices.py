@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from mlxq.engine.models import fused_projections
 from mlxq.engine.slots.attention import Kernel, choose_kernel, quantized_kernel
+from mlxq.engine.slots.prefill_streams import choose_streams
 from mlxq.wire import ModelInfo
 
 OVERLAP_ENV = "MLXQ_SLOT_OVERLAP"
@@ -71,6 +72,7 @@ class DecodeChoices:
     join_wait: int  # decode steps before a small group joins
     join_cost: float  # a prefill call's fixed cost, in decode steps
     prefill_buckets: bool  # prefill calls padded to a few shapes
+    prefill_streams: int  # CPU streams a prefill call splits over (1: not split)
     fused: tuple[str, ...]  # sibling projections run as one matmul: "attention", "mlp"
 
     @classmethod
@@ -106,6 +108,7 @@ class DecodeChoices:
             join_wait=int(env(JOIN_ENV) or JOIN_WAIT),
             join_cost=float(env(JOIN_COST_ENV) or JOIN_COST.get(backend, 0.0)),
             prefill_buckets=env(BUCKETS_ENV, "1" if backend == "cuda" else "0") == "1",
+            prefill_streams=choose_streams(backend),
             fused=fused_projections.wanted(backend),
         )
 
@@ -117,5 +120,6 @@ class DecodeChoices:
             f", small groups join after {self.join_wait} steps (or when their free slots "
             f"idled {self.join_cost:g} steps' worth)"
             f", prefill shapes bucketed: {self.prefill_buckets}"
+            f", prefill split over {self.prefill_streams} CPU stream(s)"
             f", projections fused: {', '.join(self.fused) or 'none'}"
         )

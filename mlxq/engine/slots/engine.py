@@ -281,6 +281,7 @@ class SlotEngine:
         from the rank that does, through :meth:`deliver`, before they are read."""
         self.decoder.relayed = not samples
         self.batch.stage = True
+        self.joiner.streams = None  # (its sends keep one order: one stream)
         self.batch.choices = dataclasses.replace(self.batch.choices, compiled=False)
         self.batch.forward = None
 

@@ -17,6 +17,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_logits_processors
 
+from mlxq.engine.distributed.tensor import COLLECTIVES
 from mlxq.engine.faults import peer_lost
 from mlxq.engine.prefix_cache import PrefixCache
 from mlxq.engine.prompts import error_line
@@ -27,6 +28,7 @@ from mlxq.engine.slots.cache import LayoutRefused
 from mlxq.engine.slots.joins import JoinPolicy, Waiting, join_due, pick_group
 from mlxq.engine.slots.n_samples import Samples
 from mlxq.engine.slots.prefill import PrefillRows, prefill_group
+from mlxq.engine.slots.prefill_streams import PrefillStreams
 from mlxq.engine.slots.step import Row
 
 log = logging.getLogger("mlxq.engine.slots.engine")
@@ -53,6 +55,10 @@ class Joiner:
         self.batch, self.prefix, self.policy = batch, prefix, policy
         self.prefill_batch = max(1, min(prefill_batch, batch.max_batch))
         self.prefill_step, self.prefill_tokens = prefill_step, prefill_tokens
+        count = batch.choices.prefill_streams
+        if getattr(batch.model, COLLECTIVES, False):  # (each rank's collectives in one order)
+            count = 1
+        self.streams = PrefillStreams(count) if count > 1 else None
 
     @property
     def group(self) -> int:
@@ -74,6 +80,8 @@ class Joiner:
         if b.choices.prefill_buckets:
             limit = group_rows(min(limit, len(b.waiting)))
         tokens, step = self.prefill_tokens, self.prefill_step
+        if tokens and self.streams is not None:  # (each stream prefills that many)
+            tokens *= len(self.streams.streams)
         group = pick_group(b.waiting, limit, self.prefix, tokens, step, free)
         b.waiting_keys.difference_update(w.run.job.key for w in group)
         return self._prefill(group) if group else []
@@ -133,6 +141,7 @@ class Joiner:
             self.prefill_step,
             b.choices.prefill_buckets,
             [w.rows for w in group],
+            self.streams,
         )
 
     def _seat_group(self, group: list[Waiting], slots: list[int], rows: PrefillRows) -> None:

@@ -12,6 +12,7 @@ overwrites them.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -20,6 +21,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxq.engine.slots.buckets import bucket_rows, bucket_tokens
 from mlxq.engine.slots.cache import SlotCache
+from mlxq.engine.slots.prefill_streams import PrefillStreams
 
 
 @dataclass
@@ -47,6 +49,7 @@ def prefill_group(
     step: int,
     buckets: bool = False,
     copies: list[int] | None = None,
+    streams: PrefillStreams | None = None,
 ) -> PrefillRows:
     """Prefill ``suffixes`` after the shared ``prefix`` and write the rows into ``slots``.
 
@@ -54,9 +57,10 @@ def prefill_group(
     empty). With ``buckets`` the call's rows and length are padded to
     :mod:`~mlxq.engine.slots.buckets` sizes (dummy rows are never written). With
     ``copies``, prompt ``i`` is written into ``copies[i]`` consecutive slots (the samples
-    of one job: one prefill, n rows). Returns the temporary cache (real rows first);
-    ``cache.lengths`` is set for each slot; the cache's arrays exist afterwards, even
-    where nothing was written (every prompt one token long).
+    of one job: one prefill, n rows). With ``streams``, the prompts are split over CPU
+    streams (:mod:`~mlxq.engine.slots.prefill_streams`). Returns the temporary cache (real
+    rows first); ``cache.lengths`` is set for each slot; the cache's arrays exist
+    afterwards, even where nothing was written (every prompt one token long).
     """
     copies = copies or [1] * len(suffixes)
     rows = len(suffixes)
@@ -71,17 +75,10 @@ def prefill_group(
     width, height = max(longest, int(template)), rows
     if buckets and longest:
         width, height = bucket_tokens(longest, step), bucket_rows(rows)
-    temp = make_prompt_cache(model)
-    if prefix is not None:
-        for c, p in zip(temp, prefix, strict=True):
-            c.keys, c.values = _rows_of(p.keys, height, width), _rows_of(p.values, height, width)
-            c.offset = p.offset
-    if width:
-        padded = [s + [0] * (width - len(s)) for s in suffixes]
-        tokens = mx.array(padded + [[0] * width] * (height - rows))
-        for at in range(0, width, step):
-            model(tokens[:, at : at + step], cache=temp)
-            mx.eval([a for c in temp for a in (c.keys, c.values)])
+    padded = [s + [0] * (width - len(s)) for s in suffixes] + [[0] * width] * (height - rows)
+    split = streams is not None and not buckets and longest > 0 and rows > 1
+    parts = streams.parts(rows) if streams is not None and split else [(0, height)]
+    temp = _forward(model, [padded[lo:hi] for lo, hi in parts], prefix, step, streams)
     # Each slot's source row: 0..rows-1, or each row repeated for its copies (a gather).
     source = [i for i, k in enumerate(copies) for _ in range(k)]
     picked = None if len(source) == rows else mx.array(source)
@@ -96,6 +93,49 @@ def prefill_group(
     for slot, i in zip(slots, source, strict=True):
         cache.lengths[slot] = start + len(suffixes[i])
     return PrefillRows(temp)
+
+
+def _forward(
+    model: nn.Module,
+    parts: list[list[list[int]]],
+    prefix: list[KVCache] | None,
+    step: int,
+    streams: PrefillStreams | None,
+) -> list[KVCache]:
+    """The model over each part's padded prompts (a stream each where there are several),
+    in chunks of ``step``, after ``prefix``: one temporary cache of all their rows."""
+    width = len(parts[0][0])
+    temps = [make_prompt_cache(model) for _ in parts]
+    for temp, part in zip(temps, parts, strict=True):
+        if prefix is not None:
+            for c, p in zip(temp, prefix, strict=True):
+                c.keys = _rows_of(p.keys, len(part), width)
+                c.values = _rows_of(p.values, len(part), width)
+                c.offset = p.offset
+    tokens = [mx.array(part) for part in parts] if width else []
+    for at in range(0, width, step):
+        for i, temp in enumerate(temps):
+            with mx.stream(streams.streams[i]) if streams is not None else contextlib.nullcontext():
+                model(tokens[i][:, at : at + step], cache=temp)
+        arrays = [a for temp in temps for c in temp for a in (c.keys, c.values)]
+        if streams is not None and len(parts) > 1:
+            streams.evaluate(arrays, len(parts))
+        else:
+            mx.eval(arrays)
+    return temps[0] if len(temps) == 1 else _joined(temps)
+
+
+def _joined(temps: list[list[KVCache]]) -> list[KVCache]:
+    """The parts' temporary caches as one, their rows in order (a copy of the group's
+    keys and values: a small share of a prefill's time)."""
+    out = []
+    for layers in zip(*temps, strict=True):
+        one = KVCache()
+        one.keys = mx.concatenate([c.keys for c in layers])
+        one.values = mx.concatenate([c.values for c in layers])
+        one.offset = layers[0].offset
+        out.append(one)
+    return out
 
 
 def _rows_of(prefix: mx.array, rows: int, room: int) -> mx.array:
