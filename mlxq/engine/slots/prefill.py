@@ -26,16 +26,20 @@ from mlxq.engine.slots.prefill_streams import PrefillStreams
 
 @dataclass
 class PrefillRows:
-    """The group's temporary cache after prefill: one row per joining job."""
+    """The group's temporary caches after prefill: one row per joining job, in parts (one
+    a stream) that start at row ``starts[k]``."""
 
-    caches: list[KVCache]
+    parts: list[list[KVCache]]
+    starts: list[int]
 
     def row(self, i: int) -> list[KVCache]:
         """Row ``i``'s keys and values per layer (the prefix cache copies blocks out of it)."""
+        k = max(k for k, start in enumerate(self.starts) if start <= i)
+        at = i - self.starts[k]
         out = []
-        for c in self.caches:
+        for c in self.parts[k]:
             one = KVCache()
-            one.keys, one.values, one.offset = c.keys[i : i + 1], c.values[i : i + 1], c.offset
+            one.keys, one.values, one.offset = c.keys[at : at + 1], c.values[at : at + 1], c.offset
             out.append(one)
         return out
 
@@ -58,9 +62,10 @@ def prefill_group(
     :mod:`~mlxq.engine.slots.buckets` sizes (dummy rows are never written). With
     ``copies``, prompt ``i`` is written into ``copies[i]`` consecutive slots (the samples
     of one job: one prefill, n rows). With ``streams``, the prompts are split over CPU
-    streams (:mod:`~mlxq.engine.slots.prefill_streams`). Returns the temporary cache (real
-    rows first); ``cache.lengths`` is set for each slot; the cache's arrays exist
-    afterwards, even where nothing was written (every prompt one token long).
+    streams (:mod:`~mlxq.engine.slots.prefill_streams`), each part written from its own
+    temporary cache. Returns the temporary caches (real rows first); ``cache.lengths`` is
+    set for each slot; the cache's arrays exist afterwards, even where nothing was written
+    (every prompt one token long).
     """
     copies = copies or [1] * len(suffixes)
     rows = len(suffixes)
@@ -78,21 +83,26 @@ def prefill_group(
     padded = [s + [0] * (width - len(s)) for s in suffixes] + [[0] * width] * (height - rows)
     split = streams is not None and not buckets and longest > 0 and rows > 1
     parts = streams.parts(rows) if streams is not None and split else [(0, height)]
-    temp = _forward(model, [padded[lo:hi] for lo, hi in parts], prefix, step, streams)
-    # Each slot's source row: 0..rows-1, or each row repeated for its copies (a gather).
-    source = [i for i, k in enumerate(copies) for _ in range(k)]
-    picked = None if len(source) == rows else mx.array(source)
+    temps = _forward(model, [padded[lo:hi] for lo, hi in parts], prefix, step, streams)
     if end or template:
         cache.reserve(end + 1)
-        for layer, c in enumerate(temp):
-            keys, values = c.keys[:rows, :, :end, :], c.values[:rows, :, :end, :]
-            if picked is not None:
-                keys, values = keys[picked], values[picked]
-            cache.write(slots, layer, keys, values)
+        at = 0
+        for (lo, hi), temp in zip(parts, temps, strict=True):
+            real = min(hi, rows) - lo  # (not a bucket's dummy rows)
+            # Each slot's source row: each row once, or repeated for its copies (a gather).
+            source = [i - lo for i in range(lo, lo + real) for _ in range(copies[i])]
+            picked = None if len(source) == real else mx.array(source)
+            for layer, c in enumerate(temp):
+                keys, values = c.keys[:real, :, :end, :], c.values[:real, :, :end, :]
+                if picked is not None:
+                    keys, values = keys[picked], values[picked]
+                cache.write(slots[at : at + len(source)], layer, keys, values)
+            at += len(source)
         mx.eval(cache.keys, cache.values)
-    for slot, i in zip(slots, source, strict=True):
+    rows_of = [i for i, k in enumerate(copies) for _ in range(k)]
+    for slot, i in zip(slots, rows_of, strict=True):
         cache.lengths[slot] = start + len(suffixes[i])
-    return PrefillRows(temp)
+    return PrefillRows(temps, [lo for lo, _ in parts])
 
 
 def _forward(
@@ -101,9 +111,9 @@ def _forward(
     prefix: list[KVCache] | None,
     step: int,
     streams: PrefillStreams | None,
-) -> list[KVCache]:
+) -> list[list[KVCache]]:
     """The model over each part's padded prompts (a stream each where there are several),
-    in chunks of ``step``, after ``prefix``: one temporary cache of all their rows."""
+    in chunks of ``step``, after ``prefix``: a temporary cache a part."""
     width = len(parts[0][0])
     temps = [make_prompt_cache(model) for _ in parts]
     for temp, part in zip(temps, parts, strict=True):
@@ -122,20 +132,7 @@ def _forward(
             streams.evaluate(arrays, len(parts))
         else:
             mx.eval(arrays)
-    return temps[0] if len(temps) == 1 else _joined(temps)
-
-
-def _joined(temps: list[list[KVCache]]) -> list[KVCache]:
-    """The parts' temporary caches as one, their rows in order (a copy of the group's
-    keys and values: a small share of a prefill's time)."""
-    out = []
-    for layers in zip(*temps, strict=True):
-        one = KVCache()
-        one.keys = mx.concatenate([c.keys for c in layers])
-        one.values = mx.concatenate([c.values for c in layers])
-        one.offset = layers[0].offset
-        out.append(one)
-    return out
+    return temps
 
 
 def _rows_of(prefix: mx.array, rows: int, room: int) -> mx.array:
