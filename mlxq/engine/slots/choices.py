@@ -30,7 +30,10 @@
   matmul launches;
 - prefill buckets (``MLXQ_PREFILL_BUCKETS``, CUDA only by default): a prefill call's rows
   and length are rounded to a few sizes (:mod:`~mlxq.engine.slots.buckets`), because each
-  new shape first builds its kernels there.
+  new shape first builds its kernels there;
+- prefill streams (``MLXQ_PREFILL_STREAMS``, CPU only): the CPU streams a prefill call's
+  prompts split over, 2 by default where there are 2 cores or more
+  (:mod:`~mlxq.engine.slots.prefill_streams`).
 """
 
 from __future__ import annotations
