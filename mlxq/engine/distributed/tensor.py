@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import msgspec
 
+from mlxq.engine.models.facts import COLLECTIVES
 from mlxq.wire import ModelInfo
 
 # Model args that shard() divides by the number of ranks.
@@ -32,14 +33,9 @@ def unshardable(model: nn.Module, size: int) -> str | None:
     return None
 
 
-# A model whose forward runs collectives (two ``all_sum`` a layer) has this attribute set:
-# every rank must run them in one order, so its prefill stays on one stream.
-COLLECTIVES = "mlxq_runs_collectives"
-
-
 def shard(model: nn.Module, group: mx.distributed.Group) -> None:
     """Keep this rank's share of every layer (``unshardable`` said it can), loaded; the
-    model is marked as running collectives (:data:`COLLECTIVES`)."""
+    model is marked as running collectives (:data:`~mlxq.engine.models.facts.COLLECTIVES`)."""
     model.shard(group)
     mx.eval(model.parameters())
     setattr(model, COLLECTIVES, True)

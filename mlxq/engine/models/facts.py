@@ -41,3 +41,13 @@ def model_info(model: nn.Module, name: str, vocab_size: int = 0) -> ModelInfo:
         param_bytes=sum(v.nbytes for v in params),
         dtype=str(dtype).rsplit(".", 1)[-1],
     )
+
+
+# Set on a model whose forward runs collectives (tensor parallel's two ``all_sum`` a
+# layer, mlxq.engine.distributed.tensor): every rank must run them in one order.
+COLLECTIVES = "mlxq_runs_collectives"
+
+
+def runs_collectives(model: nn.Module) -> bool:
+    """Whether the model's forward runs collectives (see :data:`COLLECTIVES`)."""
+    return bool(getattr(model, COLLECTIVES, False))

@@ -17,8 +17,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_logits_processors
 
-from mlxq.engine.distributed.tensor import COLLECTIVES
 from mlxq.engine.faults import peer_lost
+from mlxq.engine.models.facts import runs_collectives
 from mlxq.engine.prefix_cache import PrefixCache
 from mlxq.engine.prompts import error_line
 from mlxq.engine.sampling import Completion, RunningJob, make_job_sampler
@@ -56,7 +56,7 @@ class Joiner:
         self.prefill_batch = max(1, min(prefill_batch, batch.max_batch))
         self.prefill_step, self.prefill_tokens = prefill_step, prefill_tokens
         count = batch.choices.prefill_streams
-        if getattr(batch.model, COLLECTIVES, False):  # (each rank's collectives in one order)
+        if runs_collectives(batch.model):  # (each rank's collectives in one order)
             count = 1
         self.streams = PrefillStreams(count) if count > 1 else None
 
