@@ -3,6 +3,7 @@ admits jobs as it steps, and a model that fails on demand."""
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import mlx.core as mx
@@ -22,6 +23,21 @@ REQUESTS = [
 ]
 for _r in REQUESTS[1::3]:
     _r.max_tokens = 16
+
+
+def random_requests(
+    count: int, seed: int, prompt: tuple[int, int], tokens: tuple[int, int], vocab: int = 250
+) -> dict[str, Request]:
+    """``count`` jobs ``j0..``: prompts of random tokens (``prompt``: the range of their
+    lengths) and ``max_tokens`` in the range ``tokens``, so outputs end at varied lengths."""
+    rng = random.Random(seed)
+    return {
+        f"j{i}": Request(
+            prompt=[rng.randrange(3, vocab) for _ in range(rng.randint(*prompt))],
+            max_tokens=rng.randint(*tokens),
+        )
+        for i in range(count)
+    }
 
 
 def reference(model, tokenizer, tokens: list[int], request: Request) -> dict[str, Any]:

@@ -54,8 +54,8 @@ def varied(tiny, tiny_model_dir: Path) -> tuple[Any, dict[str, Request], dict[st
 
 
 @pytest.mark.parametrize(
-    ("group_rows", "sort_every", "join_every", "overlap"),
-    [(4, 1, 1, "0"), (4, 3, 0, "1"), (8, 4, 2, "0")],
+    ("group_rows", "sort_every", "join_every", "overlap", "streams"),
+    [(4, 1, 1, "0", "2"), (4, 3, 0, "1", "2"), (8, 4, 2, "0", "1")],
 )
 def test_hundreds_of_sorted_rows_equal_single_requests(
     tiny,
@@ -65,9 +65,11 @@ def test_hundreds_of_sorted_rows_equal_single_requests(
     sort_every: int,
     join_every: int,
     overlap: str,
+    streams: str,
 ) -> None:
     """Small attention groups and frequent sorts make moves common (the defaults make
-    them rare on a model this small, not harmless)."""
+    them rare on a model this small, not harmless); the groups shared out among two CPU
+    streams, or on one."""
     model, _ = tiny
     tokenizer, jobs, expected = varied
     monkeypatch.setattr(slot_step, "GROUP_ROWS", group_rows)
@@ -76,6 +78,8 @@ def test_hundreds_of_sorted_rows_equal_single_requests(
     monkeypatch.setenv(slot_choices.SORT_ENV, "1")
     monkeypatch.setenv(slot_choices.COMPILE_ENV, "0")  # (the compiled forward never sorts)
     monkeypatch.setenv(slot_choices.OVERLAP_ENV, overlap)
+    if mx.default_device() == mx.cpu:
+        monkeypatch.setenv(slot_choices.DECODE_STREAMS_ENV, streams)
     engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=ROWS, prefill_batch=16)
     done = run_all(engine, dict(jobs), join_every)
     wrong = [k for k in jobs if done[k].token_ids != expected[k]]

@@ -3,11 +3,10 @@ decoding together, some joining while the others run, keeps mlx-lm's tokens."""
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import pytest
-from engine_reference import reference
+from engine_reference import random_requests, reference
 
 from mlxq.engine.mlx_lm_batch import Completion
 from mlxq.engine.sampling import EngineJob
@@ -21,14 +20,7 @@ FIRST = 270  # admitted at once; the rest join while these decode
 
 def wide_requests() -> dict[str, Request]:
     """300 short prompts of varied lengths, outputs ending at different lengths."""
-    rng = random.Random(29)
-    return {
-        f"j{i}": Request(
-            prompt=[rng.randrange(3, 250) for _ in range(rng.randint(2, 24))],
-            max_tokens=rng.randint(3, 14),
-        )
-        for i in range(JOBS)
-    }
+    return random_requests(JOBS, 29, (2, 24), (3, 14))
 
 
 # The CPU's defaults, MLX's fused attention kernel, and CUDA's defaults (a compiled

@@ -6,9 +6,10 @@ through three calls: ``cache.offset`` (RoPE), ``cache.update_and_fetch(k, v)`` a
 ``scaled_dot_product_attention`` imported from ``mlx_lm.models.base`` into their own
 module. That last call is not a cache method, so :func:`install` rebinds the name in the
 model's modules to :func:`_sdpa`, which hands a cache layer that attends itself
-(:class:`AttendingCache`: the slot cache's :class:`~mlxq.engine.slots.cache.SlotLayer`) its
-queries and passes every other cache through to mlx-lm's function unchanged (other
-engines and plain mlx-lm calls behave as before). The slot cache depends on this module,
+(:class:`AttendingCache`: the slot cache's :class:`~mlxq.engine.slots.cache.SlotLayer`,
+the CPU prefill's :class:`~mlxq.engine.slots.causal_blocks.BlockedCache`) its queries and
+the model's mask, and passes every other cache through to mlx-lm's function unchanged
+(other engines and plain mlx-lm calls behave as before). The slot cache depends on this module,
 never the other way round.
 
 :func:`unsupported` says why a model cannot run on slot caches (or None): its cache must
@@ -31,11 +32,12 @@ _NAME = "scaled_dot_product_attention"
 
 
 class AttendingCache:
-    """A cache layer that computes its layer's attention itself (from the queries alone:
-    its keys and values are its own); :func:`_sdpa` hands it the call."""
+    """A cache layer that computes its layer's attention itself (from the queries and the
+    model's mask: its keys and values are its own); :func:`_sdpa` hands it the call."""
 
-    def attend(self, queries: mx.array, scale: float) -> mx.array:
-        """Attention of ``queries`` over the layer's cached keys and values."""
+    def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
+        """Attention of ``queries`` over the layer's cached keys and values; ``mask`` is
+        what the model passed (mlx-lm's ``"causal"``, an array, or None)."""
         raise NotImplementedError
 
 
@@ -49,7 +51,7 @@ def _sdpa(
     sinks: mx.array | None = None,
 ) -> mx.array:
     if isinstance(cache, AttendingCache) and sinks is None:
-        return cache.attend(queries, scale)
+        return cache.attend(queries, scale, mask)
     return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 

@@ -28,6 +28,7 @@ bookkeeping only: no tensor work, no device sync; the next owner overwrites it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -42,7 +43,7 @@ from mlxq.engine.hardware import backend_name
 from mlxq.engine.models.mlx_lm_seam import AttendingCache
 from mlxq.engine.scheduler import CACHE_STEP, cache_positions
 from mlxq.engine.slots.attention import Kernel
-from mlxq.engine.slots.order import SPAN_ROUND, span_groups
+from mlxq.engine.slots.order import SPAN_ROUND, share_out, span_groups
 
 # A layer's keys (or values): one array, or with ``bits`` the parts of ``mx.quantize``
 # (packed ints, scales, biases), each ``[slots, kv_heads, capacity, *]``.
@@ -268,19 +269,31 @@ class DecodeState:
     masks: list[mx.array]
     kernel: Kernel
     write_at: tuple[mx.array, mx.array, mx.array] | None = None  # scatter indices, per step
+    streams: list[mx.Stream] | None = None  # each group's CPU stream (None: the default)
 
     @classmethod
     def make(
-        cls, lengths: list[int], group_rows: int, kernel: Kernel, min_saving: int = 0
+        cls,
+        lengths: list[int],
+        group_rows: int,
+        kernel: Kernel,
+        min_saving: int = 0,
+        streams: list[mx.Stream] | None = None,
     ) -> DecodeState:
         """The state for rows of these lengths, in groups of ``group_rows`` rows; adjacent
-        groups merge unless keeping them apart saves ``min_saving`` row-positions."""
+        groups merge unless keeping them apart saves ``min_saving`` row-positions. With
+        several ``streams``, the groups are shared out among them
+        (:func:`~mlxq.engine.slots.order.share_out`; each row attends as it would alone)."""
         groups = span_groups(lengths, group_rows, min_saving)
+        on = None
+        if streams is not None and len(streams) > 1:
+            shared = share_out(groups, len(streams))
+            groups, on = [g[:3] for g in shared], [streams[g[3]] for g in shared]
         masks = []
         for start, end, span in groups:
             valid = mx.array(lengths[start:end]) + 1
             masks.append((mx.arange(span)[None] < valid[:, None])[:, None, None, :])
-        return cls(mx.array(lengths), groups, masks, kernel)
+        return cls(mx.array(lengths), groups, masks, kernel, streams=on)
 
 
 class SlotLayer(AttendingCache):
@@ -308,12 +321,15 @@ class SlotLayer(AttendingCache):
         """No mask object: :meth:`attend` masks each group by its rows' lengths."""
         return None
 
-    def attend(self, queries: mx.array, scale: float) -> mx.array:
-        """Attention of each row's query over its own positions, group by group."""
+    def attend(self, queries: mx.array, scale: float, mask: object = None) -> mx.array:
+        """Attention of each row's query over its own positions, group by group (the
+        model's ``mask``, None for one token a row, is not needed: the groups have theirs)."""
         keys, values = self.cache.keys[self.layer], self.cache.values[self.layer]
-        kernel, outs = self.state.kernel, []
-        for (start, end, span), mask in zip(self.state.groups, self.state.masks, strict=True):
+        state, outs = self.state, []
+        on = state.streams or [None] * len(state.groups)
+        for (start, end, span), mask, stream in zip(state.groups, state.masks, on, strict=True):
             k = _each(keys, lambda a, s=start, e=end, n=span: a[s:e, :, :n])
             v = _each(values, lambda a, s=start, e=end, n=span: a[s:e, :, :n])
-            outs.append(kernel(queries[start:end], k, v, scale, mask))
+            with mx.stream(stream) if stream is not None else contextlib.nullcontext():
+                outs.append(state.kernel(queries[start:end], k, v, scale, mask))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)

@@ -33,7 +33,14 @@
   new shape first builds its kernels there;
 - prefill streams (``MLXQ_PREFILL_STREAMS``, CPU only): the CPU streams a prefill call's
   prompts split over, 2 by default where there are 2 cores or more
-  (:mod:`~mlxq.engine.slots.prefill_streams`).
+  (:mod:`~mlxq.engine.slots.prefill_streams`);
+- decode streams (``MLXQ_DECODE_STREAMS``, CPU only): the CPU streams a decode step's
+  attention groups share out among (:func:`~mlxq.engine.slots.order.share_out`), 2 by
+  default where there are 2 cores or more, because the softmax runs on one thread a stream;
+- prefill blocks (``MLXQ_PREFILL_BLOCK``, CPU only by default): a prefill chunk's causal
+  attention in blocks of 128 query rows, each over the keys up to its own
+  (:mod:`~mlxq.engine.slots.causal_blocks`), because MLX's CPU attention computes and
+  exponentiates the whole square.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from dataclasses import dataclass
 
 from mlxq.engine.models import fused_projections
 from mlxq.engine.slots.attention import Kernel, choose_kernel, quantized_kernel
+from mlxq.engine.slots.causal_blocks import choose_block
 from mlxq.engine.slots.prefill_streams import choose_streams
 from mlxq.wire import ModelInfo
 
@@ -50,6 +58,7 @@ OVERLAP_ENV = "MLXQ_SLOT_OVERLAP"
 SPLIT_ENV = "MLXQ_SPLIT_BYTES"
 COMPILE_ENV = "MLXQ_SLOT_COMPILE"
 SORT_ENV = "MLXQ_SLOT_SORT"
+DECODE_STREAMS_ENV = "MLXQ_DECODE_STREAMS"
 # A guess per backend, from launch costs and memory bandwidth (CUDA measured: merging the
 # groups of a 1B model ran 1.05x).
 SPLIT_BYTES = {"cuda": 64 << 20, "metal": 8 << 20, "cpu": 1 << 20}
@@ -76,6 +85,8 @@ class DecodeChoices:
     join_cost: float  # a prefill call's fixed cost, in decode steps
     prefill_buckets: bool  # prefill calls padded to a few shapes
     prefill_streams: int  # CPU streams a prefill call splits over (1: not split)
+    decode_streams: int  # CPU streams a step's attention groups share out among
+    prefill_block: int  # query rows a block of a prefill's causal attention (0: one call)
     fused: tuple[str, ...]  # sibling projections run as one matmul: "attention", "mlp"
 
     @classmethod
@@ -112,6 +123,8 @@ class DecodeChoices:
             join_cost=float(env(JOIN_COST_ENV) or JOIN_COST.get(backend, 0.0)),
             prefill_buckets=env(BUCKETS_ENV, "1" if backend == "cuda" else "0") == "1",
             prefill_streams=choose_streams(backend),
+            decode_streams=choose_streams(backend, DECODE_STREAMS_ENV),
+            prefill_block=choose_block(backend),
             fused=fused_projections.wanted(backend),
         )
 
@@ -124,5 +137,7 @@ class DecodeChoices:
             f"idled {self.join_cost:g} steps' worth)"
             f", prefill shapes bucketed: {self.prefill_buckets}"
             f", prefill split over {self.prefill_streams} CPU stream(s)"
+            f", decode attention over {self.decode_streams} CPU stream(s)"
+            f", prefill attention in blocks of {self.prefill_block or 'all'} query rows"
             f", projections fused: {', '.join(self.fused) or 'none'}"
         )

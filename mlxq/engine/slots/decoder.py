@@ -27,6 +27,7 @@ from mlxq.engine.prompts import error_line
 from mlxq.engine.sampling import Completion
 from mlxq.engine.slots.batch import SlotBatch
 from mlxq.engine.slots.compiled import TraceFailed
+from mlxq.engine.slots.prefill_streams import cpu_streams
 from mlxq.engine.slots.step import Row, Step, relayed_step, run_forward, sample_step
 from mlxq.wire import FinishReason
 
@@ -52,6 +53,8 @@ class Decoder:
     def __init__(self, batch: SlotBatch, constraints: ConstraintHook) -> None:
         self.batch, self.constraints = batch, constraints
         self.relayed = False
+        count = batch.choices.decode_streams
+        self.streams = cpu_streams(count) if count > 1 else None
 
     def deliver(self, tokens: list[int]) -> None:
         """The sampled tokens of the step in flight (a stage that does not sample)."""
@@ -120,7 +123,7 @@ class Decoder:
         args = (b.model, b.cache, b.choices.kernel, rows, prev, b.choices.saving)
         if b.forward is not None:
             try:
-                return run_forward(*args, b.forward)
+                return run_forward(*args, b.forward)  # (one graph: no streams)
             except TraceFailed as exc:
                 log.warning(
                     "the compiled decode forward failed (%s): decoding eagerly from now on "
@@ -129,7 +132,7 @@ class Decoder:
                 )
                 b.forward = None
                 b.choices = dataclasses.replace(b.choices, compiled=False)
-        return run_forward(*args)
+        return run_forward(*args, streams=self.streams)
 
     def _sample_after(self, rows: list[Row], logits: mx.array) -> list[Completion]:
         """Sample a launched forward once the host has the step before's tokens (rows that

@@ -142,6 +142,7 @@ class Joiner:
             b.choices.prefill_buckets,
             [w.rows for w in group],
             self.streams,
+            b.choices.prefill_block,
         )
 
     def _seat_group(self, group: list[Waiting], slots: list[int], rows: PrefillRows) -> None:

@@ -1,11 +1,13 @@
-"""How the slot engine's rows are grouped for attention, and when to sort them: plain
-Python (no MLX).
+"""How the slot engine's rows are grouped for attention, when to sort them, and how the
+groups share out among CPU streams: plain Python (no MLX).
 
 A decode step attends each group of adjacent slots up to that group's longest row
 (:func:`span_groups`), so rows of similar lengths in neighbouring slots read less. Slots
 are handed out lowest free first and rows end at their own lengths, so after a while
 long and short rows mix; :func:`sorted_order` says when moving the live rows into length
-order (one copy of the cache) pays for itself.
+order (one copy of the cache) pays for itself. On the CPU, where MLX runs each stream on
+a thread of its own and the attention's softmax on one thread a stream, the groups are
+shared out among streams (:func:`share_out`), so both cores attend.
 """
 
 from __future__ import annotations
@@ -41,6 +43,29 @@ def span_groups(lengths: list[int], group_rows: int, min_saving: int) -> list[tu
                 continue
         groups.append((start, end, span))
     return groups
+
+
+def share_out(groups: list[tuple[int, int, int]], streams: int) -> list[tuple[int, int, int, int]]:
+    """``(start, end, span, stream)``: the attention groups shared out among ``streams``
+    streams, each stream's row-positions about equal. While the widest group holds more
+    than one stream's share, it is halved by rows (both halves keep its span, at most 4
+    parts a stream); then each part, widest first, goes to the stream with the least."""
+    parts = list(groups)
+    total = sum((end - start) * span for start, end, span in parts)
+    while len(parts) < 4 * streams:
+        start, end, span = max(parts, key=lambda g: (g[1] - g[0]) * g[2])
+        if end - start < 2 or (end - start) * span * streams <= total:
+            break
+        at = parts.index((start, end, span))
+        mid = (start + end) // 2
+        parts[at : at + 1] = [(start, mid, span), (mid, end, span)]
+    load = [0] * streams
+    out = []
+    for start, end, span in sorted(parts, key=lambda g: -(g[1] - g[0]) * g[2]):
+        stream = load.index(min(load))
+        load[stream] += (end - start) * span
+        out.append((start, end, span, stream))
+    return sorted(out)
 
 
 def attended(lengths: list[int], group_rows: int, min_saving: int) -> int:

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache
 
 from mlxq.engine.slots.buckets import bucket_rows, bucket_tokens
 from mlxq.engine.slots.cache import SlotCache
+from mlxq.engine.slots.causal_blocks import prompt_cache
 from mlxq.engine.slots.prefill_streams import PrefillStreams
 
 
@@ -54,6 +55,7 @@ def prefill_group(
     buckets: bool = False,
     copies: list[int] | None = None,
     streams: PrefillStreams | None = None,
+    block: int = 0,
 ) -> PrefillRows:
     """Prefill ``suffixes`` after the shared ``prefix`` and write the rows into ``slots``.
 
@@ -63,9 +65,10 @@ def prefill_group(
     ``copies``, prompt ``i`` is written into ``copies[i]`` consecutive slots (the samples
     of one job: one prefill, n rows). With ``streams``, the prompts are split over CPU
     streams (:mod:`~mlxq.engine.slots.prefill_streams`), each part written from its own
-    temporary cache. Returns the temporary caches (real rows first); ``cache.lengths`` is
-    set for each slot; the cache's arrays exist afterwards, even where nothing was written
-    (every prompt one token long).
+    temporary cache. With ``block``, a chunk's causal attention runs in blocks of that many
+    query rows (:mod:`~mlxq.engine.slots.causal_blocks`). Returns the temporary caches
+    (real rows first); ``cache.lengths`` is set for each slot; the cache's arrays exist
+    afterwards, even where nothing was written (every prompt one token long).
     """
     copies = copies or [1] * len(suffixes)
     rows = len(suffixes)
@@ -83,7 +86,7 @@ def prefill_group(
     padded = [s + [0] * (width - len(s)) for s in suffixes] + [[0] * width] * (height - rows)
     split = streams is not None and not buckets and longest > 0 and rows > 1
     parts = streams.parts(rows) if streams is not None and split else [(0, height)]
-    temps = _forward(model, [padded[lo:hi] for lo, hi in parts], prefix, step, streams)
+    temps = _forward(model, [padded[lo:hi] for lo, hi in parts], prefix, step, streams, block)
     if end or template:
         cache.reserve(end + 1)
         at = 0
@@ -111,11 +114,12 @@ def _forward(
     prefix: list[KVCache] | None,
     step: int,
     streams: PrefillStreams | None,
+    block: int,
 ) -> list[list[KVCache]]:
     """The model over each part's padded prompts (a stream each where there are several),
     in chunks of ``step``, after ``prefix``: a temporary cache a part."""
     width = len(parts[0][0])
-    temps = [make_prompt_cache(model) for _ in parts]
+    temps = [prompt_cache(model, block) for _ in parts]
     for temp, part in zip(temps, parts, strict=True):
         if prefix is not None:
             for c, p in zip(temp, prefix, strict=True):

@@ -28,10 +28,11 @@ STREAMS_ENV = "MLXQ_PREFILL_STREAMS"
 CPU_STREAMS = 2
 
 
-def choose_streams(backend: str) -> int:
-    """Streams one prefill call may use on ``backend`` (module docstring); raises
-    ``ValueError`` for a setting that is not a positive whole number."""
-    raw = os.environ.get(STREAMS_ENV)
+def choose_streams(backend: str, env: str = STREAMS_ENV) -> int:
+    """Streams one prefill call (or with ``env`` another split, such as the decode
+    attention's) may use on ``backend`` (module docstring); raises ``ValueError`` for a
+    setting that is not a positive whole number, or more than 1 off the CPU."""
+    raw = os.environ.get(env)
     if raw is None:
         return min(CPU_STREAMS, os.cpu_count() or 1) if backend == "cpu" else 1
     try:
@@ -39,18 +40,22 @@ def choose_streams(backend: str) -> int:
     except ValueError:
         count = 0
     if count < 1:
-        raise ValueError(f"{STREAMS_ENV}={raw!r}: give a whole number of streams, 1 or more")
+        raise ValueError(f"{env}={raw!r}: give a whole number of streams, 1 or more")
     if count > 1 and backend != "cpu":
-        raise ValueError(f"{STREAMS_ENV}={raw!r}: a prefill splits over CPU streams only")
+        raise ValueError(f"{env}={raw!r}: the work splits over CPU streams only")
     return count
+
+
+def cpu_streams(count: int) -> list[mx.Stream]:
+    """``count`` CPU streams: the thread's default one, then new ones."""
+    return [mx.default_stream(mx.cpu)] + [mx.new_stream(mx.cpu) for _ in range(count - 1)]
 
 
 class PrefillStreams:
     """The CPU streams a prefill call splits over (the first: the thread's default)."""
 
     def __init__(self, count: int) -> None:
-        self.streams = [mx.default_stream(mx.cpu)]
-        self.streams += [mx.new_stream(mx.cpu) for _ in range(count - 1)]
+        self.streams = cpu_streams(count)
 
     def parts(self, rows: int) -> list[tuple[int, int]]:
         """Rows ``0..rows-1`` as contiguous parts of about equal size, one a stream at

@@ -136,19 +136,21 @@ def run_forward(
     prev: Step | None,
     saving: int = 0,
     forward: CompiledForward | None = None,
+    streams: list[mx.Stream] | None = None,
 ) -> mx.array:
     """The model's part of a decode step of ``rows`` (slot order): their logits, lazily.
 
     Inputs of rows in ``prev`` come from its sampled tokens on the device; ``saving``: see
     :class:`~mlxq.engine.slots.choices.DecodeChoices`; with ``forward`` the model runs
-    compiled over every row of the cache. Advances each row's cache length by one.
+    compiled over every row of the cache; with ``streams`` the attention groups share out
+    among those CPU streams. Advances each row's cache length by one.
     """
     width = cache.rows if forward is not None else rows[-1].slot + 1
     lengths, inputs = step_inputs(cache, rows, prev, width)
     if forward is not None:
         logits = forward(inputs, mx.array(lengths))
     else:
-        state = DecodeState.make(lengths, GROUP_ROWS, kernel, saving)
+        state = DecodeState.make(lengths, GROUP_ROWS, kernel, saving, streams)
         layers = [SlotLayer(cache, i, state) for i in range(cache.num_layers)]
         logits = model(inputs[:, None], cache=layers)[:, -1, :]
     slots = list(map(_slot_of, rows))

@@ -1,0 +1,84 @@
+"""A prefill's causal attention in blocks of query rows, so that the masked half is skipped.
+
+On the CPU, MLX's ``scaled_dot_product_attention`` is composed of plain operations: a
+chunk's whole square of scores is computed and exponentiated (MLX's CPU ``exp`` runs at
+about 12 ns an element, on one thread), and then the causal half is masked. The prefill's
+temporary cache layers here (:class:`BlockedCache`) attend a chunk's queries ``block`` rows
+at a time instead, each block over the keys up to its own last row: the same causal
+attention, about half the work on a long prompt (a 1,480-token prompt prefilled 1.6x
+faster on the real model, bench/RESULTS.md). Each query weighs the same keys as in the
+square (the masked ones weigh exactly 0); only how the float sums group changes, as a
+row's right-padding already changes it.
+
+The CPU's default (``MLXQ_PREFILL_BLOCK``: query rows a block, 0 turns it off); MLX's
+GPU kernels skip the masked blocks themselves, so elsewhere a chunk attends in one call.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from mlxq.engine.models.mlx_lm_seam import AttendingCache
+
+BLOCK_ENV = "MLXQ_PREFILL_BLOCK"
+# Measured on the real model (one 1,480-token prompt): 128 rows 1.6x, 256 1.5x, 512 1.4x.
+CPU_BLOCK = 128
+
+
+def choose_block(backend: str) -> int:
+    """Query rows a prefill block holds on ``backend`` (0: no blocks); raises ``ValueError``
+    for a setting that is not a whole number, 0 or more."""
+    raw = os.environ.get(BLOCK_ENV)
+    if raw is None:
+        return CPU_BLOCK if backend == "cpu" else 0
+    try:
+        block = int(raw)
+    except ValueError:
+        block = -1
+    if block < 0:
+        raise ValueError(f"{BLOCK_ENV}={raw!r}: give a whole number of query rows (0: off)")
+    return block
+
+
+class BlockedCache(KVCache, AttendingCache):
+    """mlx-lm's ``KVCache`` whose causal attention runs in blocks of ``block`` query rows."""
+
+    def __init__(self, block: int) -> None:
+        super().__init__()
+        self.block = block
+
+    def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
+        """The chunk's queries (the last of the cache's ``offset`` positions) over the keys
+        up to each; a mask other than mlx-lm's ``"causal"`` attends in one call."""
+        keys, values = self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        rows = queries.shape[2]
+        if not (isinstance(mask, str) and mask == "causal") or rows <= self.block:
+            return mx.fast.scaled_dot_product_attention(
+                queries, keys, values, scale=scale, mask=mask
+            )
+        start, outs = self.offset - rows, []
+        for lo in range(0, rows, self.block):
+            hi = min(rows, lo + self.block)
+            end = start + hi  # (the block's last query sees the keys up to its own)
+            outs.append(
+                mx.fast.scaled_dot_product_attention(
+                    queries[:, :, lo:hi],
+                    keys[..., :end, :],
+                    values[..., :end, :],
+                    scale=scale,
+                    mask="causal",
+                )
+            )
+        return mx.concatenate(outs, axis=2)
+
+
+def prompt_cache(model: nn.Module, block: int) -> list[KVCache]:
+    """A temporary prefill cache for ``model``: mlx-lm's, or with ``block`` one whose
+    attention runs in blocks (the slot engine's models take a plain ``KVCache`` a layer)."""
+    caches = make_prompt_cache(model)
+    return [BlockedCache(block) for _ in caches] if block else caches
