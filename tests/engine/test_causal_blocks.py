@@ -15,6 +15,7 @@ from mlxq.engine.slots import causal_blocks
 from mlxq.engine.slots.causal_blocks import BLOCK_ENV, BlockedCache, choose_block
 from mlxq.engine.slots.engine import SlotEngine
 from mlxq.engine.slots.joins import JoinPolicy
+from mlxq.engine.slots.prefill_streams import STREAMS_ENV
 from mlxq.wire import Request
 
 
@@ -67,6 +68,7 @@ def _prompt(n: int, salt: int = 0) -> list[int]:
 
 def _run(tiny: Any, monkeypatch: Any, block: str, jobs: dict[str, Request], **options: Any):
     monkeypatch.setenv(BLOCK_ENV, block)
+    monkeypatch.setenv(STREAMS_ENV, "1")  # (a call split over streams attends in one call)
     engine = SlotEngine.from_loaded(*tiny, "tiny", max_batch=16, **options)
     engine.joiner.policy = JoinPolicy(0)
     assert engine.choices.prefill_block == int(block)
@@ -108,12 +110,38 @@ def test_blocked_prefill_after_a_stored_prefix(tiny, monkeypatch) -> None:
     first = {f"f{n}": Request(prompt=[*shared, *_prompt(n)], max_tokens=4) for n in (6, 9)}
     jobs = {f"q{n}": Request(prompt=[*shared, *_prompt(n, 2)], max_tokens=8) for n in (70, 150)}
     monkeypatch.setenv(BLOCK_ENV, "32")
+    monkeypatch.setenv(STREAMS_ENV, "1")
     engine = SlotEngine.from_loaded(*tiny, "tiny", max_batch=8, prefix_cache_bytes=1 << 24)
     engine.joiner.policy = JoinPolicy(0)
     run_all(engine, first, join_every=1)  # (one after the other: the second stores it)
     done = run_all(engine, jobs)
     assert engine.stats().prefix_hits >= len(jobs)
     for key, request in jobs.items():
+        assert done[key].token_ids == reference(*tiny, request.prompt, request)["tokens"], key
+
+
+def test_a_call_split_over_streams_attends_in_one_call(tiny, monkeypatch) -> None:
+    """Two 200-token prompts in one group, split over two streams: no blocks (they measured
+    slower there); a lone one on the same engine: blocks. mlx-lm's tokens either way."""
+    widths: list[int] = []
+    attend = BlockedCache.attend
+
+    def spy(self: BlockedCache, queries: mx.array, *args: Any) -> mx.array:
+        widths.append(queries.shape[2])
+        return attend(self, queries, *args)
+
+    monkeypatch.setattr(BlockedCache, "attend", spy)
+    monkeypatch.setenv(BLOCK_ENV, "32")
+    monkeypatch.setenv(STREAMS_ENV, "2")
+    engine = SlotEngine.from_loaded(*tiny, "tiny", max_batch=8)
+    engine.joiner.policy = JoinPolicy(0)
+    pair = {f"p{n}": Request(prompt=_prompt(n), max_tokens=6) for n in (200, 190)}
+    done = run_all(engine, pair)
+    assert widths == [] and engine.stats().prefill_calls == 1
+    lone = {"lone": Request(prompt=_prompt(210), max_tokens=6)}
+    done |= run_all(engine, lone)
+    assert set(widths) == {209}  # (the prompt less its last token, in one chunk)
+    for key, request in (pair | lone).items():
         assert done[key].token_ids == reference(*tiny, request.prompt, request)["tokens"], key
 
 

@@ -327,9 +327,9 @@ class SlotLayer(AttendingCache):
         keys, values = self.cache.keys[self.layer], self.cache.values[self.layer]
         state, outs = self.state, []
         on = state.streams or [None] * len(state.groups)
-        for (start, end, span), mask, stream in zip(state.groups, state.masks, on, strict=True):
+        for (start, end, span), valid, stream in zip(state.groups, state.masks, on, strict=True):
             k = _each(keys, lambda a, s=start, e=end, n=span: a[s:e, :, :n])
             v = _each(values, lambda a, s=start, e=end, n=span: a[s:e, :, :n])
             with mx.stream(stream) if stream is not None else contextlib.nullcontext():
-                outs.append(state.kernel(queries[start:end], k, v, scale, mask))
+                outs.append(state.kernel(queries[start:end], k, v, scale, valid))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)

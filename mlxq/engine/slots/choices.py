@@ -37,8 +37,8 @@
 - decode streams (``MLXQ_DECODE_STREAMS``, CPU only): the CPU streams a decode step's
   attention groups share out among (:func:`~mlxq.engine.slots.order.share_out`), 2 by
   default where there are 2 cores or more, because the softmax runs on one thread a stream;
-- prefill blocks (``MLXQ_PREFILL_BLOCK``, CPU only by default): a prefill chunk's causal
-  attention in blocks of 128 query rows, each over the keys up to its own
+- prefill blocks (``MLXQ_PREFILL_BLOCK``, CPU only by default): a prefill call on one
+  stream attends in blocks of 128 query rows, each over the keys up to its own
   (:mod:`~mlxq.engine.slots.causal_blocks`), because MLX's CPU attention computes and
   exponentiates the whole square.
 """
