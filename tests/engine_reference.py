@@ -112,3 +112,19 @@ class FlakyModel:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def record_block_widths(monkeypatch: Any) -> list[int]:
+    """The query rows of each chunk that reaches a prefill's blocked attention
+    (:class:`~mlxq.engine.slots.causal_blocks.BlockedCache`), from now on in this test."""
+    from mlxq.engine.slots.causal_blocks import BlockedCache
+
+    widths: list[int] = []
+    attend = BlockedCache.attend
+
+    def spy(self: BlockedCache, queries: mx.array, *args: Any) -> mx.array:
+        widths.append(queries.shape[2])
+        return attend(self, queries, *args)
+
+    monkeypatch.setattr(BlockedCache, "attend", spy)
+    return widths

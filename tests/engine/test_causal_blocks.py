@@ -9,7 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from engine_reference import reference, run_all
+from engine_reference import record_block_widths, reference, run_all
 
 from mlxq.engine.slots import causal_blocks
 from mlxq.engine.slots.causal_blocks import BLOCK_ENV, BlockedCache, choose_block
@@ -82,14 +82,7 @@ def test_blocked_prefill_gives_mlx_lm_s_greedy_tokens(tiny, monkeypatch) -> None
     jobs = {f"p{n}": Request(prompt=_prompt(n), max_tokens=12) for n in (300, 1, 140, 33, 97)}
     jobs["p33"].n, jobs["p33"].temperature, jobs["p33"].seed = 2, 0.7, 5
     options = {"prefill_batch": 8, "prefill_step": 96}
-    chunks: list[int] = []
-    attend = BlockedCache.attend
-
-    def spy(self: BlockedCache, queries: mx.array, *args: Any) -> mx.array:
-        chunks.append(queries.shape[2])
-        return attend(self, queries, *args)
-
-    monkeypatch.setattr(BlockedCache, "attend", spy)
+    chunks = record_block_widths(monkeypatch)
     engine, blocked = _run(tiny, monkeypatch, "32", jobs, **options)
     assert max(chunks) == 96  # (chunks of 96 query rows reached the blocks)
     _, whole = _run(tiny, monkeypatch, "0", jobs, **options)
@@ -123,14 +116,7 @@ def test_blocked_prefill_after_a_stored_prefix(tiny, monkeypatch) -> None:
 def test_a_call_split_over_streams_attends_in_one_call(tiny, monkeypatch) -> None:
     """Two 200-token prompts in one group, split over two streams: no blocks (they measured
     slower there); a lone one on the same engine: blocks. mlx-lm's tokens either way."""
-    widths: list[int] = []
-    attend = BlockedCache.attend
-
-    def spy(self: BlockedCache, queries: mx.array, *args: Any) -> mx.array:
-        widths.append(queries.shape[2])
-        return attend(self, queries, *args)
-
-    monkeypatch.setattr(BlockedCache, "attend", spy)
+    widths = record_block_widths(monkeypatch)
     monkeypatch.setenv(BLOCK_ENV, "32")
     monkeypatch.setenv(STREAMS_ENV, "2")
     engine = SlotEngine.from_loaded(*tiny, "tiny", max_batch=8)

@@ -4,14 +4,12 @@ single-request greedy ones, token for token, and read as answers."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from engine_reference import reference
+from engine_reference import record_block_widths, reference
 from engine_reference import run_all as run
 from real_model import smollm, smollm_gguf  # noqa: F401 - fixtures
 
 from mlxq.engine.factory import make_engine
-from mlxq.engine.slots.causal_blocks import BLOCK_ENV, CPU_BLOCK, BlockedCache
+from mlxq.engine.slots.causal_blocks import BLOCK_ENV, CPU_BLOCK
 from mlxq.wire import Message, Request
 
 TOWNS = ["Ashford", "Bramley", "Corwen", "Dunmore", "Elsworth", "Fenwick", "Glenrock", "Harlow"]
@@ -34,14 +32,7 @@ def test_long_prompts_keep_mlx_lm_s_tokens_and_answer(smollm, monkeypatch) -> No
         for k, q in asks.items()
     }
     jobs["short"] = Request(messages=[Message("user", "What is 2 + 2?")], max_tokens=12)
-    widths: list[int] = []
-    attend = BlockedCache.attend
-
-    def spy(self: BlockedCache, queries: Any, *args: Any) -> Any:
-        widths.append(queries.shape[2])
-        return attend(self, queries, *args)
-
-    monkeypatch.setattr(BlockedCache, "attend", spy)
+    widths = record_block_widths(monkeypatch)
     engine = make_engine(model, tokenizer, "smollm", max_batch=4)
     done = run(engine, jobs, join_every=1)
     if engine.choices.prefill_block:  # (the CPU's default; MLX's GPU kernels skip the mask)
