@@ -15,11 +15,11 @@ import json
 import sys
 import time
 
-from common import use_openblas
+from common import set_up_like_mlxq
 
 
 def main(argv: list[str] | None = None) -> int:
-    use_openblas()
+    set_up_like_mlxq()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("file")
     ap.add_argument("--model", required=True)

@@ -23,11 +23,15 @@ from typing import Any
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-def use_openblas() -> None:
-    """Re-execute under OpenBLAS on Linux CPUs (as the ``mlxq`` command does); else return."""
+def set_up_like_mlxq() -> None:
+    """Re-execute under OpenBLAS on Linux CPUs and set MLX's evaluation order, as the
+    ``mlxq`` command does for model commands; call before anything evaluates."""
     from mlxq.engine.blas import reexec_with_openblas
+    from mlxq.engine.eval_order import widen
+    from mlxq.engine.hardware import backend_name
 
     reexec_with_openblas()
+    widen(backend_name())
 
 
 def quiet_logs() -> None:

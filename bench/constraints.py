@@ -33,8 +33,8 @@ from common import (
     describe_device,
     fmt_num,
     preset_tokenizer,
+    set_up_like_mlxq,
     table,
-    use_openblas,
     write_json,
 )
 
@@ -255,7 +255,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     from mlxq.engine.gil import shorten_switch_interval
 
-    use_openblas()
+    set_up_like_mlxq()
     shorten_switch_interval()  # as the worker's MLX thread does (no Runner here)
     args = parse_args(argv)
     model, tokenizer = load(args.preset, args.model)

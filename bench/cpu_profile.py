@@ -334,9 +334,9 @@ def exp_cost(repeat: int) -> float:
 
 # -- main -------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    from common import load_as_worker, use_openblas
+    from common import load_as_worker, set_up_like_mlxq
 
-    use_openblas()
+    set_up_like_mlxq()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a GGUF (default: the test tier's SmolLM2-135M Q4_1)")
     ap.add_argument("--rows", default="16,128", help="decode batch sizes")

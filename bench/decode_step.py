@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from common import describe_device, fmt_num, fmt_ratio, median_seconds, table, use_openblas
+from common import describe_device, fmt_num, fmt_ratio, median_seconds, set_up_like_mlxq, table
 
 PATHS = ("kvcache", "batch", "slot-gqa", "slot-gqa-compiled", "slot-fused")
 LABELS = {
@@ -96,7 +96,7 @@ def make_step(path: str, model: Any, info: Any, rows: int, length: int) -> Calla
 
 
 def main(argv: list[str] | None = None) -> int:
-    use_openblas()
+    set_up_like_mlxq()
     from mlxq.engine.models.make import PRESETS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

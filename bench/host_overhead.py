@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import fmt_num, quiet_logs, table, use_openblas
+from common import fmt_num, quiet_logs, set_up_like_mlxq, table
 
 
 def requests(
@@ -185,7 +185,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.cuda_like:
         os.environ["MLXQ_SLOT_OVERLAP"] = os.environ["MLXQ_SLOT_COMPILE"] = "1"
-    use_openblas()
+    set_up_like_mlxq()
     quiet_logs()
     model, tokenizer = load(args.preset)
     if args.profile:

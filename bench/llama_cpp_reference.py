@@ -286,5 +286,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    common.use_openblas()
+    common.set_up_like_mlxq()
     main()

@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         load_as_worker,
         quiet_logs,
         redis_url,
-        use_openblas,
+        set_up_like_mlxq,
         write_json,
     )
 
@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.build_only:
         print(binary)
         return 0
-    use_openblas()
+    set_up_like_mlxq()
     quiet_logs()
     import mlx.core as mx
     from workloads import Workload

@@ -40,7 +40,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--max-batch", type=int, default=256, help="the engine's cap, as a worker's")
     args = p.parse_args()
-    common.use_openblas()
+    common.set_up_like_mlxq()
     common.quiet_logs()
     import mlx.core as mx
     from mlx_lm.generate import generate_step

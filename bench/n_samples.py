@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
-    common.use_openblas()
+    common.set_up_like_mlxq()
     from mlxq.engine.models.make import build_model
 
     model = build_model(args.preset, seed=SEED)[0]

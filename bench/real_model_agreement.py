@@ -87,7 +87,7 @@ def main() -> None:
     p.add_argument("--max-batch", type=int, default=256)
     p.add_argument("--reference", type=int, default=44, help="outputs checked against mlx-lm")
     args = p.parse_args()
-    common.use_openblas()
+    common.set_up_like_mlxq()
     common.quiet_logs()
     from mlxq.engine.slots.choices import COMPILE_ENV, SORT_ENV
 

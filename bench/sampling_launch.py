@@ -29,7 +29,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-from common import describe_device, table, use_openblas
+from common import describe_device, set_up_like_mlxq, table
 
 PARTS = ("free", "upload", "upload + apply", "masked")
 
@@ -93,7 +93,7 @@ def time_part(build: Callable[[Any], Any], logits: Any, warmup: int, repeat: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    use_openblas()
+    set_up_like_mlxq()
     args = parse_args(argv)
     import mlx.core as mx
 

@@ -40,7 +40,7 @@ import sys
 import time
 from typing import Any
 
-from common import describe_device, fmt_num, median_seconds, table, use_openblas
+from common import describe_device, fmt_num, median_seconds, set_up_like_mlxq, table
 
 
 def ceilings(repeat: int) -> tuple[float, float]:
@@ -145,7 +145,7 @@ def engine_step(
 
 
 def main(argv: list[str] | None = None) -> int:
-    use_openblas()
+    set_up_like_mlxq()
     from mlxq.engine.models.facts import model_info
     from mlxq.engine.models.make import PRESETS, build_model
 

@@ -37,7 +37,7 @@ from common import (
     preset_tokenizer,
     quiet_logs,
     redis_url,
-    use_openblas,
+    set_up_like_mlxq,
     write_json,
 )
 from modes import (
@@ -100,7 +100,7 @@ def token_pool(tokenizer: Any, vocab_size: int) -> list[int]:
 
 # -- main -------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    use_openblas()
+    set_up_like_mlxq()
     args = parse_args(argv)
     quiet_logs()
 

@@ -9,8 +9,13 @@ from typing import Any
 import pytest
 import redis
 
+from mlxq.engine.eval_order import widen
+from mlxq.engine.hardware import backend_name
 from mlxq.server import make_server
 from tests.helpers import TEST_PRESET, Worker
+
+# MLX's evaluation order as `mlxq worker` sets it, before anything in the tests evaluates.
+widen(backend_name())
 
 
 @pytest.fixture(scope="session")

@@ -81,12 +81,19 @@ def _run_cli() -> None:
 
 
 def main() -> None:
-    """Console entry point: speeds up Linux CPU MLX with OpenBLAS for model commands."""
+    """Console entry point: for model commands, Linux CPU MLX with OpenBLAS and in MLX's
+    wide evaluation order (:mod:`mlxq.engine.eval_order`), set before anything evaluates."""
     runs_mlx = len(sys.argv) > 1 and sys.argv[1] in MODEL_COMMANDS
     if runs_mlx:
         from mlxq.engine.blas import reexec_with_openblas
+        from mlxq.engine.eval_order import widen
+        from mlxq.engine.hardware import backend_name
 
         reexec_with_openblas()
+        try:
+            widen(backend_name())
+        except ValueError as e:
+            fail(str(e), 2)
     try:
         _run_cli()
     except SystemExit as e:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlxq.engine.eval_order import widen
 from mlxq.engine.gil import shorten_switch_interval
 from mlxq.engine.hardware import DeviceFacts, device_facts
 from mlxq.engine.protocol import BatchEngine
@@ -185,6 +186,7 @@ class Runner:
         try:
             shorten_switch_interval()  # this thread takes the GIL back after every eval
             self.facts = device_facts()
+            widen(self.facts.backend)  # (before the model loads: MLX reads it once)
             self.engine = self._make_engine(self.facts)
             self.scheduler = self._make_scheduler(self.engine, self.facts)
         except BaseException as e:  # reported to start()'s caller

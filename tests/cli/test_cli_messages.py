@@ -276,3 +276,11 @@ def test_a_queue_no_worker_ever_served_warns_and_one_served_lately_is_a_note(
     ) in later.stderr, later.stderr
     refused = run_mlxq("submit", src, "--queue", "nightly", "--require-workers", url=valkey_url)
     assert refused.returncode == 1 and "nothing was enqueued" in refused.stderr
+
+
+def test_a_bad_mlx_evaluation_width_is_refused_before_mlx_hangs_on_it():
+    """MLX hangs at its first evaluation on a width that is not a positive whole number:
+    a model command refuses it in one line, exit 2."""
+    res = run_mlxq("worker", "--help", env={**os.environ, "MLX_BFS_MAX_WIDTH": "0"}, timeout=60)
+    assert res.returncode == 2
+    assert "MLX_BFS_MAX_WIDTH='0'" in _one_error_line(res)

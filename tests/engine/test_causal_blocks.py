@@ -68,7 +68,7 @@ def _prompt(n: int, salt: int = 0) -> list[int]:
 
 def _run(tiny: Any, monkeypatch: Any, block: str, jobs: dict[str, Request], **options: Any):
     monkeypatch.setenv(BLOCK_ENV, block)
-    monkeypatch.setenv(STREAMS_ENV, "1")  # (a call split over streams attends in one call)
+    monkeypatch.setenv(STREAMS_ENV, "2")  # (the CPU's default: each part in blocks)
     engine = SlotEngine.from_loaded(*tiny, "tiny", max_batch=16, **options)
     engine.joiner.policy = JoinPolicy(0)
     assert engine.choices.prefill_block == int(block)
@@ -113,21 +113,28 @@ def test_blocked_prefill_after_a_stored_prefix(tiny, monkeypatch) -> None:
         assert done[key].token_ids == reference(*tiny, request.prompt, request)["tokens"], key
 
 
-def test_a_call_split_over_streams_attends_in_one_call(tiny, monkeypatch) -> None:
-    """Two 200-token prompts in one group, split over two streams: no blocks (they measured
-    slower there); a lone one on the same engine: blocks. mlx-lm's tokens either way."""
-    widths = record_block_widths(monkeypatch)
+def test_a_call_split_over_streams_attends_in_blocks_on_each_part(tiny, monkeypatch) -> None:
+    """Two 200-token prompts in one group, split over two streams: each part attends in
+    blocks on its own stream; mlx-lm's tokens."""
+    seen: list[tuple[int, str]] = []
+    attend = BlockedCache.attend
+
+    def spy(self: BlockedCache, queries: mx.array, *args: Any) -> mx.array:
+        seen.append((queries.shape[2], str(mx.default_stream(mx.cpu))))
+        return attend(self, queries, *args)
+
+    monkeypatch.setattr(BlockedCache, "attend", spy)
     monkeypatch.setenv(BLOCK_ENV, "32")
     monkeypatch.setenv(STREAMS_ENV, "2")
     engine = SlotEngine.from_loaded(*tiny, "tiny", max_batch=8)
     engine.joiner.policy = JoinPolicy(0)
     pair = {f"p{n}": Request(prompt=_prompt(n), max_tokens=6) for n in (200, 190)}
     done = run_all(engine, pair)
-    assert widths == [] and engine.stats().prefill_calls == 1
-    lone = {"lone": Request(prompt=_prompt(210), max_tokens=6)}
-    done |= run_all(engine, lone)
-    assert set(widths) == {209}  # (the prompt less its last token, in one chunk)
-    for key, request in (pair | lone).items():
+    assert engine.stats().prefill_calls == 1
+    layers = len(engine.model.layers)
+    assert [width for width, _ in seen] == [199] * 2 * layers  # (padded to the longer)
+    assert len({stream for _, stream in seen}) == 2
+    for key, request in pair.items():
         assert done[key].token_ids == reference(*tiny, request.prompt, request)["tokens"], key
 
 

@@ -8,9 +8,11 @@ at a time instead, each block over the keys up to its own last row: the same cau
 attention, about half the work on a long prompt (a 1,480-token prompt prefilled 1.6x
 faster on the real model, bench/RESULTS.md). Each query weighs the same keys as in the
 square (the masked ones weigh exactly 0); only how the float sums group changes, as a
-row's right-padding already changes it. Only a call on one stream attends in blocks: split
-over two CPU streams (:mod:`~mlxq.engine.slots.prefill_streams`), two 1,480-token prompts
-took 17-21 s in blocks against 15-17 s in one call each (why was not found).
+row's right-padding already changes it. Split over two CPU streams
+(:mod:`~mlxq.engine.slots.prefill_streams`), the parts' blocks run side by side only in
+MLX's wide evaluation order (:mod:`~mlxq.engine.eval_order`): two 1,480-token prompts took
+10.2-11.1 s a pair in blocks against 15.0-16.3 s in one call each, and 18.7-19.4 s in
+blocks at MLX's default width.
 
 The CPU's default (``MLXQ_PREFILL_BLOCK``: query rows a block, 0 turns it off); MLX's
 GPU kernels skip the masked blocks themselves, so elsewhere a chunk attends in one call.

@@ -65,10 +65,10 @@ def prefill_group(
     ``copies``, prompt ``i`` is written into ``copies[i]`` consecutive slots (the samples
     of one job: one prefill, n rows). With ``streams``, the prompts are split over CPU
     streams (:mod:`~mlxq.engine.slots.prefill_streams`), each part written from its own
-    temporary cache. With ``block``, a call on one stream attends in blocks of that many
-    query rows (:mod:`~mlxq.engine.slots.causal_blocks`). Returns the temporary caches
-    (real rows first); ``cache.lengths`` is set for each slot; the cache's arrays exist
-    afterwards, even where nothing was written (every prompt one token long).
+    temporary cache. With ``block``, each part attends in blocks of that many query rows
+    (:mod:`~mlxq.engine.slots.causal_blocks`). Returns the temporary caches (real rows
+    first); ``cache.lengths`` is set for each slot; the cache's arrays exist afterwards,
+    even where nothing was written (every prompt one token long).
     """
     copies = copies or [1] * len(suffixes)
     rows = len(suffixes)
@@ -86,8 +86,6 @@ def prefill_group(
     padded = [s + [0] * (width - len(s)) for s in suffixes] + [[0] * width] * (height - rows)
     split = streams is not None and not buckets and longest > 0 and rows > 1
     parts = streams.parts(rows) if streams is not None and split else [(0, height)]
-    # Blocks only on one stream: split over two, they measured slower than one call.
-    block = block if len(parts) == 1 else 0
     temps = _forward(model, [padded[lo:hi] for lo, hi in parts], prefix, step, streams, block)
     if end or template:
         cache.reserve(end + 1)
