@@ -16,6 +16,7 @@ from mlxq.engine.slots.causal_blocks import BLOCK_ENV, BlockedCache, choose_bloc
 from mlxq.engine.slots.engine import SlotEngine
 from mlxq.engine.slots.joins import JoinPolicy
 from mlxq.engine.slots.prefill_streams import STREAMS_ENV
+from mlxq.engine.slots.softmax import SOFTMAXES
 from mlxq.wire import Request
 
 
@@ -31,21 +32,25 @@ def _filled(block: int, prefix: int, rows: int, heads: int = 2) -> tuple[Blocked
     return cache, mx.random.normal((2, 4, rows, 16))
 
 
+@pytest.mark.parametrize("softmax", ["mlx", "pow2"])
 @pytest.mark.parametrize(("prefix", "rows"), [(0, 70), (45, 64), (30, 17), (0, 1)])
-def test_blocks_attend_as_one_causal_call(monkeypatch, prefix: int, rows: int) -> None:
-    """Blocks of 16 query rows, after a prefix or none: the one call's output, each block
-    over the keys up to its last query only."""
+def test_blocks_attend_as_one_causal_call(
+    monkeypatch, prefix: int, rows: int, softmax: str
+) -> None:
+    """Blocks of 16 query rows, after a prefix or none, with either softmax: MLX's one
+    call's output, each block over the keys up to its last query only."""
     cache, q = _filled(16, prefix, rows)
+    cache.softmax = SOFTMAXES[softmax]
     keys, values = cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
     want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.25, mask="causal")
     seen: list[tuple[int, int]] = []
-    plain = mx.fast.scaled_dot_product_attention
+    plain = causal_blocks.causal_attention
 
-    def spy(q: mx.array, k: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+    def spy(q: mx.array, k: mx.array, *args: Any) -> mx.array:
         seen.append((q.shape[2], k.shape[2]))
-        return plain(q, k, *args, **kwargs)
+        return plain(q, k, *args)
 
-    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(causal_blocks, "causal_attention", spy)
     got = cache.attend(q, 0.25, "causal")
     assert got.shape == want.shape
     assert mx.allclose(got, want, atol=1e-5).item()

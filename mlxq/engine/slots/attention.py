@@ -35,6 +35,7 @@ import mlx.core as mx
 
 from mlxq.engine.scheduler import kv_group_size
 from mlxq.engine.slots import ragged_attention
+from mlxq.engine.slots.softmax import Softmax, mlx_softmax
 
 log = logging.getLogger("mlxq.engine.slots.engine")
 
@@ -56,22 +57,31 @@ def _grouped(
     mask: mx.array,
     scores_of: Callable[[mx.array], mx.array],
     output_of: Callable[[mx.array], mx.array],
+    softmax: Softmax,
 ) -> mx.array:
     """The query heads of each KV head grouped, ``scores_of(queries)`` masked and softmaxed,
     then ``output_of(weights)``: the two matmuls are the caller's (plain or quantized)."""
     rows, q_heads, _, dim = q.shape
     # Scale the small query, not the scores; the scores come out of the matmul in the
-    # model's dtype either way, and a precise softmax accumulates in float32 without
-    # casting them (five kernels a group, not seven).
+    # model's dtype either way, and the softmax accumulates in float32.
     qg = (q * scale).reshape(rows, kv_heads, q_heads // kv_heads, dim)
     scores = mx.where(mask, scores_of(qg), _MASKED)  # [rows, kv, group, span]
-    weights = mx.softmax(scores, axis=-1, precise=True)
-    return output_of(weights).reshape(rows, q_heads, 1, dim)
+    return output_of(softmax(scores)).reshape(rows, q_heads, 1, dim)
 
 
-def gqa_decode(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array) -> mx.array:
-    """Grouped-query attention for one query per row (see the module docstring)."""
-    return _grouped(q, k.shape[1], scale, mask, lambda qg: qg @ k.swapaxes(-1, -2), lambda w: w @ v)
+def gqa_decode(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    mask: mx.array,
+    softmax: Softmax = mlx_softmax,
+) -> mx.array:
+    """Grouped-query attention for one query per row (see the module docstring), with
+    ``softmax`` (:mod:`~mlxq.engine.slots.softmax`)."""
+    return _grouped(
+        q, k.shape[1], scale, mask, lambda qg: qg @ k.swapaxes(-1, -2), lambda w: w @ v, softmax
+    )
 
 
 def quantized_decode(
@@ -82,6 +92,7 @@ def quantized_decode(
     mask: mx.array,
     group_size: int,
     bits: int,
+    softmax: Softmax = mlx_softmax,
 ) -> mx.array:
     """:func:`gqa_decode` over a quantized cache (``mx.quantize`` parts of keys and values):
     ``mx.quantized_matmul`` reads them without a dequantized copy, as mlx-lm's quantized
@@ -94,6 +105,7 @@ def quantized_decode(
         mask,
         lambda qg: mx.quantized_matmul(qg, *k, transpose=True, **opts),
         lambda w: mx.quantized_matmul(w, *v, transpose=False, **opts),
+        softmax,
     )
 
 

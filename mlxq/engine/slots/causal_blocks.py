@@ -28,6 +28,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxq.engine.models.mlx_lm_seam import AttendingCache
+from mlxq.engine.slots.softmax import Softmax, causal_attention, mlx_softmax
 
 BLOCK_ENV = "MLXQ_PREFILL_BLOCK"
 # Measured on the real model (one 1,480-token prompt): 128 rows 1.6x, 256 1.5x, 512 1.4x.
@@ -50,39 +51,34 @@ def choose_block(backend: str) -> int:
 
 
 class BlockedCache(KVCache, AttendingCache):
-    """mlx-lm's ``KVCache`` whose causal attention runs in blocks of ``block`` query rows."""
+    """mlx-lm's ``KVCache`` whose causal attention runs in blocks of ``block`` query rows,
+    each composed with ``softmax`` (:mod:`~mlxq.engine.slots.softmax`)."""
 
-    def __init__(self, block: int) -> None:
+    def __init__(self, block: int, softmax: Softmax = mlx_softmax) -> None:
         super().__init__()
-        self.block = block
+        self.block, self.softmax = block, softmax
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
         """The chunk's queries (the last of the cache's ``offset`` positions) over the keys
         up to each; a mask other than mlx-lm's ``"causal"`` attends in one call."""
         keys, values = self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
-        rows = queries.shape[2]
-        if not (isinstance(mask, str) and mask == "causal") or rows <= self.block:
+        if not (isinstance(mask, str) and mask == "causal"):
             return mx.fast.scaled_dot_product_attention(
                 queries, keys, values, scale=scale, mask=mask
             )
+        rows = queries.shape[2]
         start, outs = self.offset - rows, []
         for lo in range(0, rows, self.block):
             hi = min(rows, lo + self.block)
             end = start + hi  # (the block's last query sees the keys up to its own)
-            outs.append(
-                mx.fast.scaled_dot_product_attention(
-                    queries[:, :, lo:hi],
-                    keys[..., :end, :],
-                    values[..., :end, :],
-                    scale=scale,
-                    mask="causal",
-                )
-            )
-        return mx.concatenate(outs, axis=2)
+            k, v = keys[..., :end, :], values[..., :end, :]
+            outs.append(causal_attention(queries[:, :, lo:hi], k, v, scale, self.softmax))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
 
-def prompt_cache(model: nn.Module, block: int) -> list[KVCache]:
+def prompt_cache(model: nn.Module, block: int, softmax: Softmax = mlx_softmax) -> list[KVCache]:
     """A temporary prefill cache for ``model``: mlx-lm's, or with ``block`` one whose
-    attention runs in blocks (the slot engine's models take a plain ``KVCache`` a layer)."""
+    attention runs in blocks with ``softmax`` (the slot engine's models take a plain
+    ``KVCache`` a layer)."""
     caches = make_prompt_cache(model)
-    return [BlockedCache(block) for _ in caches] if block else caches
+    return [BlockedCache(block, softmax) for _ in caches] if block else caches

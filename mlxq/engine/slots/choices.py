@@ -37,14 +37,17 @@
 - decode streams (``MLXQ_DECODE_STREAMS``, CPU only): the CPU streams a decode step's
   attention groups share out among (:func:`~mlxq.engine.slots.order.share_out`), 2 by
   default where there are 2 cores or more, because the softmax runs on one thread a stream;
-- prefill blocks (``MLXQ_PREFILL_BLOCK``, CPU only by default): a prefill call on one
-  stream attends in blocks of 128 query rows, each over the keys up to its own
-  (:mod:`~mlxq.engine.slots.causal_blocks`), because MLX's CPU attention computes and
-  exponentiates the whole square.
+- prefill blocks (``MLXQ_PREFILL_BLOCK``, CPU only by default): a prefill call (each
+  part of one split over streams) attends in blocks of 128 query rows, each over the keys
+  up to its own (:mod:`~mlxq.engine.slots.causal_blocks`), because MLX's CPU attention
+  computes and exponentiates the whole square;
+- softmax (``MLXQ_SOFTMAX``): ``pow2`` on the CPU, where MLX's ``exp`` is slow, for the
+  attention mlxq composes (:mod:`~mlxq.engine.slots.softmax`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -52,6 +55,7 @@ from mlxq.engine.models import fused_projections
 from mlxq.engine.slots.attention import Kernel, choose_kernel, quantized_kernel
 from mlxq.engine.slots.causal_blocks import choose_block
 from mlxq.engine.slots.prefill_streams import choose_streams
+from mlxq.engine.slots.softmax import SOFTMAXES, choose_softmax
 from mlxq.wire import ModelInfo
 
 OVERLAP_ENV = "MLXQ_SLOT_OVERLAP"
@@ -87,6 +91,7 @@ class DecodeChoices:
     prefill_streams: int  # CPU streams a prefill call splits over (1: not split)
     decode_streams: int  # CPU streams a step's attention groups share out among
     prefill_block: int  # query rows a block of a prefill's causal attention (0: one call)
+    softmax: str  # the softmax of the attention mlxq composes: "pow2" or "mlx"
     fused: tuple[str, ...]  # sibling projections run as one matmul: "attention", "mlp"
 
     @classmethod
@@ -101,6 +106,9 @@ class DecodeChoices:
         if kv_bits is not None:
             group, kernel = quantized_kernel(kv_bits, info.head_dim)
             name = f"{kv_bits}-bit quantized"
+        softmax = choose_softmax(backend)
+        if name == "gqa" or kv_bits is not None:  # (the kernels that compose a softmax)
+            kernel = functools.partial(kernel, softmax=SOFTMAXES[softmax])
         env = os.environ.get
         compiled = env(COMPILE_ENV, "1" if backend == "cuda" else "0") == "1"
         if compiled and env(SORT_ENV) == "1":  # (asked for, not the default: refused)
@@ -125,6 +133,7 @@ class DecodeChoices:
             prefill_streams=choose_streams(backend),
             decode_streams=choose_streams(backend, DECODE_STREAMS_ENV),
             prefill_block=choose_block(backend),
+            softmax=softmax,
             fused=fused_projections.wanted(backend),
         )
 
@@ -139,5 +148,6 @@ class DecodeChoices:
             f", prefill split over {self.prefill_streams} CPU stream(s)"
             f", decode attention over {self.decode_streams} CPU stream(s)"
             f", prefill attention in blocks of {self.prefill_block or 'all'} query rows"
+            f", softmax {self.softmax}"
             f", projections fused: {', '.join(self.fused) or 'none'}"
         )

@@ -29,6 +29,7 @@ from mlxq.engine.slots.joins import JoinPolicy, Waiting, join_due, pick_group
 from mlxq.engine.slots.n_samples import Samples
 from mlxq.engine.slots.prefill import PrefillRows, prefill_group
 from mlxq.engine.slots.prefill_streams import PrefillStreams
+from mlxq.engine.slots.softmax import SOFTMAXES
 from mlxq.engine.slots.step import Row
 
 log = logging.getLogger("mlxq.engine.slots.engine")
@@ -143,6 +144,7 @@ class Joiner:
             [w.rows for w in group],
             self.streams,
             b.choices.prefill_block,
+            SOFTMAXES[b.choices.softmax],
         )
 
     def _seat_group(self, group: list[Waiting], slots: list[int], rows: PrefillRows) -> None:

@@ -23,6 +23,7 @@ from mlxq.engine.slots.buckets import bucket_rows, bucket_tokens
 from mlxq.engine.slots.cache import SlotCache
 from mlxq.engine.slots.causal_blocks import prompt_cache
 from mlxq.engine.slots.prefill_streams import PrefillStreams
+from mlxq.engine.slots.softmax import Softmax, mlx_softmax
 
 
 @dataclass
@@ -56,6 +57,7 @@ def prefill_group(
     copies: list[int] | None = None,
     streams: PrefillStreams | None = None,
     block: int = 0,
+    softmax: Softmax = mlx_softmax,
 ) -> PrefillRows:
     """Prefill ``suffixes`` after the shared ``prefix`` and write the rows into ``slots``.
 
@@ -66,9 +68,10 @@ def prefill_group(
     of one job: one prefill, n rows). With ``streams``, the prompts are split over CPU
     streams (:mod:`~mlxq.engine.slots.prefill_streams`), each part written from its own
     temporary cache. With ``block``, each part attends in blocks of that many query rows
-    (:mod:`~mlxq.engine.slots.causal_blocks`). Returns the temporary caches (real rows
-    first); ``cache.lengths`` is set for each slot; the cache's arrays exist afterwards,
-    even where nothing was written (every prompt one token long).
+    (:mod:`~mlxq.engine.slots.causal_blocks`) composed with ``softmax``. Returns the
+    temporary caches (real rows first); ``cache.lengths`` is set for each slot; the
+    cache's arrays exist afterwards, even where nothing was written (every prompt one
+    token long).
     """
     copies = copies or [1] * len(suffixes)
     rows = len(suffixes)
@@ -86,7 +89,9 @@ def prefill_group(
     padded = [s + [0] * (width - len(s)) for s in suffixes] + [[0] * width] * (height - rows)
     split = streams is not None and not buckets and longest > 0 and rows > 1
     parts = streams.parts(rows) if streams is not None and split else [(0, height)]
-    temps = _forward(model, [padded[lo:hi] for lo, hi in parts], prefix, step, streams, block)
+    temps = _forward(
+        model, [padded[lo:hi] for lo, hi in parts], prefix, step, streams, (block, softmax)
+    )
     if end or template:
         cache.reserve(end + 1)
         at = 0
@@ -114,12 +119,13 @@ def _forward(
     prefix: list[KVCache] | None,
     step: int,
     streams: PrefillStreams | None,
-    block: int,
+    blocks: tuple[int, Softmax],
 ) -> list[list[KVCache]]:
     """The model over each part's padded prompts (a stream each where there are several),
-    in chunks of ``step``, after ``prefix``: a temporary cache a part."""
+    in chunks of ``step``, after ``prefix``, attending in ``blocks`` (rows, softmax): a
+    temporary cache a part."""
     width = len(parts[0][0])
-    temps = [prompt_cache(model, block) for _ in parts]
+    temps = [prompt_cache(model, *blocks) for _ in parts]
     for temp, part in zip(temps, parts, strict=True):
         if prefix is not None:
             for c, p in zip(temp, prefix, strict=True):
