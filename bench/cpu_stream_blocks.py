@@ -6,7 +6,9 @@ call, but two prompts on two CPU streams in blocks take about twice one prompt's
 where one call each runs side by side. Random float32 q, k and v of ``--tokens``
 positions (9 query and 3 KV heads of 64, SmolLM2-135M's), ``--layers`` attentions
 chained, OpenBLAS's threads shared between the streams as the prefill does. Prints the
-best of ``--repeat`` for each case; see bench/RESULTS.md.
+best of ``--repeat`` for each case; see bench/RESULTS.md. The cause is MLX's evaluation
+order (:mod:`mlxq.engine.eval_order`): this script keeps MLX's default width, so run it
+with ``MLX_BFS_MAX_WIDTH=4096`` to see the blocks run side by side, as the engine's do.
 """
 
 from __future__ import annotations

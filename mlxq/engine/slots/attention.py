@@ -5,11 +5,12 @@ shape ``[rows, q_heads, 1, head_dim]`` and keys/values ``[rows, kv_heads, span, 
 where ``mask`` (``[rows, 1, 1, span]``, bool) marks each row's valid positions:
 
 - ``"gqa"``: plain MLX ops. The query heads of each KV head are grouped
-  (``[rows, kv_heads, group, D] @ K^T``), so K and V are never repeated; the softmax
-  accumulates in float32; masked positions get a large finite negative, so a row whose
-  mask is all false (never the case for a live row) still gives finite numbers. On CUDA,
-  MLX's fused kernel leaves its fast path for any array mask, and this one measured faster
-  there (bench/RESULTS.md, "One decode step, 256 rows").
+  (``[rows, kv_heads, group, D] @ K^T``), so K and V are never repeated; the softmax (the
+  engine's choice, :mod:`~mlxq.engine.slots.softmax`) accumulates in float32; masked
+  positions get a large finite negative, so a row whose mask is all false (never the case
+  for a live row) still gives finite numbers. On CUDA, MLX's fused kernel leaves its fast
+  path for any array mask, and this one measured faster there (bench/RESULTS.md, "One
+  decode step, 256 rows").
 - ``"fused"``: ``mx.fast.scaled_dot_product_attention`` with the bool mask; Metal's vector
   kernel takes array masks at full speed.
 - ``"ragged"``: mlxq's CUDA kernel (:mod:`~mlxq.engine.slots.ragged_attention`), which
