@@ -114,9 +114,10 @@ class FlakyModel:
         return getattr(self.inner, name)
 
 
-def record_block_widths(monkeypatch: Any) -> list[int]:
+def record_block_widths(monkeypatch: Any, streams: list[str] | None = None) -> list[int]:
     """The query rows of each chunk that reaches a prefill's blocked attention
-    (:class:`~mlxq.engine.slots.causal_blocks.BlockedCache`), from now on in this test."""
+    (:class:`~mlxq.engine.slots.causal_blocks.BlockedCache`), from now on in this test;
+    with ``streams``, the CPU stream each was built on is appended there."""
     from mlxq.engine.slots.causal_blocks import BlockedCache
 
     widths: list[int] = []
@@ -124,6 +125,8 @@ def record_block_widths(monkeypatch: Any) -> list[int]:
 
     def spy(self: BlockedCache, queries: mx.array, *args: Any) -> mx.array:
         widths.append(queries.shape[2])
+        if streams is not None:
+            streams.append(str(mx.default_stream(mx.cpu)))
         return attend(self, queries, *args)
 
     monkeypatch.setattr(BlockedCache, "attend", spy)

@@ -16,8 +16,8 @@ parts attend in blocks (:mod:`~mlxq.engine.slots.causal_blocks`) holds far more 
 arrays a level. Depth first, the first part's graph is dispatched and run nearly whole
 before the second part's starts: the two streams take turns, each on one core. Laid out
 level by level, both parts' operations are in flight at once. Measured, two 1,480-token
-prompts on two streams in blocks of 128: 18.7-19.4 s at width 20, 10.2-11.1 s at 4,096
-(bench/RESULTS.md).
+prompts on two streams in blocks of 128: 18.7-19.4 s at width 20, 10.2-11.1 s at 100,000
+(bench/RESULTS.md; the worker's benchmarks ran at this module's 4,096).
 
 The limit exists to bound the memory of graphs with thousands of independent branches;
 the engine's widest level is a few hundred arrays (two parts of 16 blocks, each a handful

@@ -121,14 +121,8 @@ def test_blocked_prefill_after_a_stored_prefix(tiny, monkeypatch) -> None:
 def test_a_call_split_over_streams_attends_in_blocks_on_each_part(tiny, monkeypatch) -> None:
     """Two 200-token prompts in one group, split over two streams: each part attends in
     blocks on its own stream; mlx-lm's tokens."""
-    seen: list[tuple[int, str]] = []
-    attend = BlockedCache.attend
-
-    def spy(self: BlockedCache, queries: mx.array, *args: Any) -> mx.array:
-        seen.append((queries.shape[2], str(mx.default_stream(mx.cpu))))
-        return attend(self, queries, *args)
-
-    monkeypatch.setattr(BlockedCache, "attend", spy)
+    streams: list[str] = []
+    widths = record_block_widths(monkeypatch, streams)
     monkeypatch.setenv(BLOCK_ENV, "32")
     monkeypatch.setenv(STREAMS_ENV, "2")
     engine = SlotEngine.from_loaded(*tiny, "tiny", max_batch=8)
@@ -137,8 +131,8 @@ def test_a_call_split_over_streams_attends_in_blocks_on_each_part(tiny, monkeypa
     done = run_all(engine, pair)
     assert engine.stats().prefill_calls == 1
     layers = len(engine.model.layers)
-    assert [width for width, _ in seen] == [199] * 2 * layers  # (padded to the longer)
-    assert len({stream for _, stream in seen}) == 2
+    assert widths == [199] * 2 * layers  # (padded to the longer)
+    assert len(set(streams)) == 2
     for key, request in pair.items():
         assert done[key].token_ids == reference(*tiny, request.prompt, request)["tokens"], key
 
