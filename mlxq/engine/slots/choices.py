@@ -53,9 +53,9 @@ from dataclasses import dataclass
 
 from mlxq.engine.models import fused_projections
 from mlxq.engine.slots.attention import Kernel, choose_kernel, quantized_kernel
-from mlxq.engine.slots.causal_blocks import choose_block
+from mlxq.engine.slots.causal_blocks import BLOCK_ENV, choose_block
 from mlxq.engine.slots.prefill_streams import choose_streams
-from mlxq.engine.slots.softmax import SOFTMAXES, choose_softmax
+from mlxq.engine.slots.softmax import SOFTMAX_ENV, SOFTMAXES, choose_softmax
 from mlxq.wire import ModelInfo
 
 OVERLAP_ENV = "MLXQ_SLOT_OVERLAP"
@@ -99,16 +99,15 @@ class DecodeChoices:
         cls, backend: str, info: ModelInfo, attention: str | None, kv_bits: int | None
     ) -> DecodeChoices:
         """The choices for ``info``'s model on ``backend``; raises ``ValueError`` for an
-        unknown attention, a cache that cannot be quantized as asked, or sorting asked of
-        the compiled forward."""
+        unknown attention, a cache that cannot be quantized as asked, sorting asked of the
+        compiled forward, or a softmax asked where nothing composes one."""
         name, kernel = choose_kernel(backend, attention, info.head_dim)
         group = 64
         if kv_bits is not None:
             group, kernel = quantized_kernel(kv_bits, info.head_dim)
             name = f"{kv_bits}-bit quantized"
-        softmax = choose_softmax(backend)
-        if name == "gqa" or kv_bits is not None:  # (the kernels that compose a softmax)
-            kernel = functools.partial(kernel, softmax=SOFTMAXES[softmax])
+        block = choose_block(backend)
+        softmax, kernel = _with_softmax(backend, name, kernel, kv_bits is not None, block)
         env = os.environ.get
         compiled = env(COMPILE_ENV, "1" if backend == "cuda" else "0") == "1"
         if compiled and env(SORT_ENV) == "1":  # (asked for, not the default: refused)
@@ -132,7 +131,7 @@ class DecodeChoices:
             prefill_buckets=env(BUCKETS_ENV, "1" if backend == "cuda" else "0") == "1",
             prefill_streams=choose_streams(backend),
             decode_streams=choose_streams(backend, DECODE_STREAMS_ENV),
-            prefill_block=choose_block(backend),
+            prefill_block=block,
             softmax=softmax,
             fused=fused_projections.wanted(backend),
         )
@@ -151,3 +150,22 @@ class DecodeChoices:
             f", softmax {self.softmax}"
             f", projections fused: {', '.join(self.fused) or 'none'}"
         )
+
+
+def _with_softmax(
+    backend: str, name: str, kernel: Kernel, quantized: bool, block: int
+) -> tuple[str, Kernel]:
+    """The softmax's name, and ``kernel`` with it where the kernel composes a softmax;
+    raises ``ValueError`` where ``MLXQ_SOFTMAX`` asks for one that nothing would use."""
+    softmax = choose_softmax(backend)
+    composes = name == "gqa" or quantized
+    if composes:
+        kernel = functools.partial(kernel, softmax=SOFTMAXES[softmax])
+    # (A default that goes unused is not refused: MLX's softmax runs inside its kernels.)
+    if os.environ.get(SOFTMAX_ENV) is not None and softmax != "mlx" and not (composes or block):
+        raise ValueError(
+            f"{SOFTMAX_ENV}={softmax} applies where mlxq composes the attention: the gqa "
+            f"decode attention, a quantized cache or prefill blocks ({BLOCK_ENV}); this "
+            f"engine has {name} decode attention and no prefill blocks"
+        )
+    return softmax, kernel
