@@ -83,3 +83,30 @@ def test_the_warm_up_builds_every_kernel_the_attention_evaluates(tmp_path) -> No
     assert int(built) >= 3  # (the three kernels, built into this folder)
     assert after == "[]"
     assert any(Path(tmp_path, "mlx").rglob("*.so"))
+
+
+UNCOMPILED = """
+import os, pathlib
+import mlx.core as mx
+mx.set_default_device(mx.cpu)
+from mlxq.engine.slots.softmax import mlx_softmax, pow2_softmax
+scores = mx.random.normal((16, 3, 3, 200)) * 4
+mask = mx.arange(200) >= 5
+got, want = (
+    s.attend(scores * s.query_scale(1.0), mask, lambda w: w) for s in (pow2_softmax, mlx_softmax)
+)
+built = list(pathlib.Path(os.environ["TMPDIR"]).rglob("*.so"))
+print(mx.abs(got - want).max().item(), len(built))
+"""
+
+
+def test_without_mlx_s_compiler_the_softmax_runs_op_by_op(tmp_path) -> None:
+    """Where MLX cannot compile (no C++ compiler; here ``MLX_DISABLE_COMPILE``), the same
+    operations run one by one: the same weights, nothing built."""
+    env = {**os.environ, "TMPDIR": str(tmp_path), "MLX_DISABLE_COMPILE": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", UNCOMPILED], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr
+    difference, built = run.stdout.split()
+    assert float(difference) <= 1e-6 and built == "0"
