@@ -21,10 +21,12 @@ or ``mlx`` (``mx.softmax``, elsewhere's default: a GPU runs it as one fused kern
 
 MLX 0.32 fuses a compiled function's operations into one kernel only up to a depth of 11
 (a shapeless one's broadcasts count) and a single output; past either it splits the kernel
-and keeps intermediate arrays of the scores' size. So each kernel here has one output and
-a few operations, and each hands its buffer on: at most one array of the scores' size more
-than MLX's softmax lives at once. :func:`warm_up` builds every kernel before its first use
-in a process, one process at a time (:mod:`~mlxq.engine.kernel_lock`).
+and keeps more intermediate arrays of the scores' size. So each kernel here has one output
+and a few operations. Measured, ``attend`` holds up to four arrays of the scores' size
+beyond its input, where MLX's softmax works in place; the prefill's blocks run one after
+another on a stream, so that is one block's worth. :func:`warm_up` builds every kernel
+before its first use in a process, one process at a time
+(:mod:`~mlxq.engine.kernel_lock`).
 """
 
 from __future__ import annotations
