@@ -184,6 +184,15 @@ class Runner:
     # -- the MLX thread --------------------------------------------------------------
     def _main(self) -> None:
         try:
+            self._run()
+        finally:
+            # MLX keeps a compile cache per thread, holding Python objects; left to the
+            # thread's exit it takes the GIL after Python may have begun to finalize, and the
+            # process aborts (exit 134). MLX asks each thread to clear its own.
+            mx.clear_streams()
+
+    def _run(self) -> None:
+        try:
             shorten_switch_interval()  # this thread takes the GIL back after every eval
             self.facts = device_facts()
             widen(self.facts.backend)  # (before the model loads: MLX reads it once)
