@@ -15,34 +15,59 @@ from mlxq.engine.slots.joins import JoinPolicy
 from mlxq.engine.slots.softmax import (
     SOFTMAX_ENV,
     SOFTMAXES,
+    Softmax,
     causal_attention,
     choose_softmax,
     mlx_softmax,
+    pow2_minus,
     pow2_softmax,
 )
 from mlxq.wire import Request
 
 
-def test_pow2_softmax_is_mlx_s_within_a_unit_or_two_in_the_last_place() -> None:
-    """Scores of both signs and sizes, a masked entry of each kind the attention uses:
-    the weights within 2.4e-7 of MLX's, zero where masked, rows summing to 1."""
+def _weights(softmax: Softmax, scores: mx.array, mask: mx.array) -> mx.array:
+    """The softmax's weights of ``scores`` (scaled as its queries would be)."""
+    return softmax.attend(scores * softmax.query_scale(1.0), mask, lambda w: w)
+
+
+def test_pow2_softmax_is_mlx_s_within_1e_6() -> None:
+    """Scores of both signs and sizes, the first positions masked: the weights within
+    1e-6 of MLX's (scaled to powers of two, a score of 30 rounds to within 1e-6, as in
+    MLX's Metal attention, which also scales by log2 e), zero where masked, rows summing
+    to 1."""
     mx.random.seed(0)
     scores = mx.random.normal((64, 3, 3, 160)) * 8
-    scores[..., :7] = -1e30  # (the decode's mask)
-    scores[..., 7] = mx.finfo(mx.float32).min  # (MLX's causal mask)
-    got, want = pow2_softmax(scores), mlx_softmax(scores)
-    assert mx.abs(got - want).max().item() <= 2.4e-7
+    mask = mx.arange(160) >= 8
+    got, want = _weights(pow2_softmax, scores, mask), _weights(mlx_softmax, scores, mask)
+    assert mx.abs(got - want).max().item() <= 1e-6
     assert mx.all(got[..., :8] == 0).item()
     assert mx.allclose(got.sum(axis=-1), mx.ones(got.shape[:-1]), atol=1e-6).item()
 
 
+def test_pow2_minus_over_the_range_a_softmax_meets() -> None:
+    """``2 ** (x - top)`` from 1 down to where float32 underflows, within 3e-7 of
+    ``mx.power``'s (a unit or two in the last place; 1e-37 where it nears float32's
+    smallest normal), 0 below."""
+    x = mx.concatenate([mx.linspace(-126.0, 0.0, 100_001), mx.array([-200.0, -1e30])])
+    got = pow2_minus(x, mx.array(0.0))
+    want = mx.power(2.0, x)
+    assert (mx.abs(got - want) <= 3e-7 * want + 1e-37).all().item()
+    assert got[-2:].tolist() == [0.0, 0.0]
+
+
 def test_pow2_softmax_keeps_a_16_bit_dtype() -> None:
     scores = (mx.random.normal((4, 40)) * 4).astype(mx.bfloat16)
-    got = pow2_softmax(scores)
+    got = _weights(pow2_softmax, scores, mx.array(True))
     assert got.dtype == mx.bfloat16
-    assert mx.allclose(
-        got.astype(mx.float32), mlx_softmax(scores).astype(mx.float32), atol=1e-2
-    ).item()
+    want = _weights(mlx_softmax, scores, mx.array(True)).astype(mx.float32)
+    assert mx.allclose(got.astype(mx.float32), want, atol=1e-2).item()
+
+
+def test_a_row_masked_whole_gives_finite_weights() -> None:
+    scores = mx.random.normal((2, 3, 6))
+    mask = mx.array([[False] * 6, [True] * 6])[:, None, :]
+    for softmax in SOFTMAXES.values():
+        assert mx.isfinite(_weights(softmax, scores, mask)).all().item(), softmax.name
 
 
 @pytest.mark.parametrize("name", ["mlx", "pow2"])

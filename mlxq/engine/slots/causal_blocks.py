@@ -72,7 +72,11 @@ class BlockedCache(KVCache, AttendingCache):
             hi = min(rows, lo + self.block)
             end = start + hi  # (the block's last query sees the keys up to its own)
             k, v = keys[..., :end, :], values[..., :end, :]
-            outs.append(causal_attention(queries[:, :, lo:hi], k, v, scale, self.softmax))
+            q = queries[:, :, lo:hi]
+            # One block after another on a stream: laid out level by level (eval_order),
+            # every block's scores would otherwise be alive at once.
+            q = mx.depends(q, outs[-1]) if outs else q
+            outs.append(causal_attention(q, k, v, scale, self.softmax))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
 

@@ -1,47 +1,155 @@
 """The attention's softmax where mlxq composes the attention: through powers of two on the CPU.
 
 MLX's CPU ``exp`` (and ``mx.softmax``, built on it) took 13-18 ns an element here, on one
-thread a stream, where ``mx.power(2, x)`` took 4.4-7.3 ns; the attention's softmax is the
-largest part of a CPU decode step's attention and of a long prompt's prefill
-(bench/RESULTS.md). :func:`pow2_softmax` computes ``exp(x - max)`` as
-``2 ** ((x - max) * log2(e))``: 1.9-2.5x faster than ``mx.softmax`` at the engine's
-shapes, its weights within 1.2e-7 of ``mx.softmax``'s (a float32 unit in the last place or
-two of a weight up to 1), the size of difference the prefill's blocks already make.
+thread a stream; the attention's softmax is the largest part of a CPU decode step's
+attention and of a long prompt's prefill (bench/RESULTS.md). ``pow2`` takes ``exp(s - max)``
+as ``2 ** (y - max)`` with the scores ``y = s * log2(e)`` (the queries carry the factor, see
+:meth:`Softmax.query_scale`), and ``2 ** y`` from its parts: the nearest whole number ``n``
+becomes the float's exponent bits, and ``2 ** (y - n)`` (within half a unit of 0) a
+degree-6 polynomial. Its elementwise work runs as three kernels that MLX compiles
+(``mx.compile``; MLX runs them op by op where it has no C++ compiler, still faster than
+``mx.exp``). Two more passes are saved: the mask is added as a bias, not selected with
+``mx.where`` (4x faster on the CPU), and the weights are divided by their sum after they
+weigh the values (a row's output, not its every position). The weights are within 1e-6
+of ``mx.softmax``'s at scores up to 30 (scaled into powers of two they round once more, as
+in MLX's Metal attention, which scales the same way); the tests hold mlx-lm's tokens.
 
 It applies where mlxq builds the attention from MLX operations: the ``gqa`` decode kernels
 (:mod:`~mlxq.engine.slots.attention`) and the prefill's blocks
 (:mod:`~mlxq.engine.slots.causal_blocks`). ``MLXQ_SOFTMAX``: ``pow2`` (the CPU's default)
 or ``mlx`` (``mx.softmax``, elsewhere's default: a GPU runs it as one fused kernel).
+
+MLX 0.32 fuses a compiled function's operations into one kernel only up to a depth of 11
+(a shapeless one's broadcasts count) and a single output; past either it splits the kernel
+and keeps more intermediate arrays of the scores' size. So each kernel here has one output
+and a few operations. Measured, ``attend`` holds up to four arrays of the scores' size
+beyond its input, where MLX's softmax works in place; the prefill's blocks run one after
+another on a stream, so that is one block's worth. :func:`warm_up` builds every kernel
+before its first use in a process, one process at a time
+(:mod:`~mlxq.engine.kernel_lock`).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlxq.engine.kernel_lock import building_kernels
+
 SOFTMAX_ENV = "MLXQ_SOFTMAX"
 LOG2E = 1 / math.log(2)
+MASKED = -1e30  # a masked score: finite, so exp() underflows to 0 without inf - inf = NaN
+_ROUND = 12582912.0  # 1.5 * 2**23: added to a float under 2**22, rounds it to a whole number
+# 2**r on |r| <= 0.5, a least-squares fit of relative error (1.9e-9; 1.6e-7 in float32)
+_POLY = [
+    1.000000001,
+    0.6931472056,
+    0.2402264661,
+    0.05550328998,
+    0.009618519534,
+    0.001339986036,
+    0.0001533757683,
+]
 
-Softmax = Callable[[mx.array], mx.array]
+Output = Callable[[mx.array], mx.array]
 
 
-def pow2_softmax(scores: mx.array) -> mx.array:
-    """Softmax over the last axis, ``exp`` taken as a power of two (module docstring),
-    computed in float32 and returned in the scores' dtype."""
-    x = scores.astype(mx.float32)
-    e = mx.power(2.0, (x - x.max(axis=-1, keepdims=True)) * LOG2E)
-    return (e / e.sum(axis=-1, keepdims=True)).astype(scores.dtype)
+def _below(x: mx.array, top: mx.array) -> mx.array:
+    """``y = x - top``, floored at -127, whose power of two has no exponent bits: 0."""
+    return mx.maximum(x - top, -127.0)
 
 
-def mlx_softmax(scores: mx.array) -> mx.array:
-    """MLX's own softmax over the last axis, accumulated in float32."""
-    return mx.softmax(scores, axis=-1, precise=True)
+def _whole(y: mx.array) -> mx.array:
+    """The whole number nearest ``y`` (``_ROUND``'s last place is 1)."""
+    return (y + _ROUND) - _ROUND
 
 
-SOFTMAXES: dict[str, Softmax] = {"pow2": pow2_softmax, "mlx": mlx_softmax}
+def _power_bits(y: mx.array) -> mx.array:
+    """The float32 bits of ``2 ** n``, ``n`` the whole number nearest ``y`` (an int32 array
+    to view as float32)."""
+    return ((_whole(y) + 127.0) * float(1 << 23)).astype(mx.int32)  # (exact: 7 bits)
+
+
+def _times_power(y: mx.array, scale: mx.array) -> mx.array:
+    """``scale * 2 ** (y - n)``: the polynomial over ``|y - n| <= 0.5`` in Estrin's form."""
+    c, r = _POLY, y - _whole(y)
+    r2 = r * r
+    high = (c[4] + c[5] * r) + r2 * c[6]
+    return ((c[0] + c[1] * r) + r2 * (c[2] + c[3] * r) + (r2 * r2) * high) * scale
+
+
+# Shapeless: a decode step's shapes change every step, and each traced shape would be kept.
+_below_c = mx.compile(_below, shapeless=True)
+_power_bits_c = mx.compile(_power_bits, shapeless=True)
+_times_power_c = mx.compile(_times_power, shapeless=True)
+
+
+def pow2_minus(x: mx.array, top: mx.array) -> mx.array:
+    """``2 ** (x - top)`` of float32 ``x`` for ``x <= top``, ``top`` one number a row of the
+    last axis (module docstring)."""
+    # As rows of a matrix: MLX builds a kernel per layout, and these are the four
+    # :func:`warm_up` builds (many or one row, many or one position).
+    shape = x.shape
+    y = _below_c(x.reshape(-1, shape[-1]), top.reshape(-1, 1))
+    return _times_power_c(y, _power_bits_c(y).view(mx.float32)).reshape(shape)
+
+
+_warm = threading.Lock()
+_warmed = False
+
+
+def warm_up() -> None:
+    """Build the kernels :func:`pow2_minus` evaluates, once a process, one process at a
+    time (module docstring). MLX builds a kernel for each layout of its matrix: many rows
+    or one (a single maximum), many positions or one."""
+    global _warmed
+    with _warm:
+        if _warmed:
+            return
+        with building_kernels():
+            for shape in ((2, 3), (1, 3), (2, 1), (1, 1)):
+                x = mx.zeros(shape, mx.float32)
+                mx.eval(pow2_minus(x, x.max(axis=-1, keepdims=True)))
+        _warmed = True
+
+
+@dataclass(frozen=True)
+class Softmax:
+    """One way to turn the attention's masked scores into its output."""
+
+    name: str
+    base2: bool  # scores in powers of two, through pow2_minus; else MLX's softmax
+
+    def query_scale(self, scale: float) -> float:
+        """What the queries are multiplied by for :meth:`attend`'s scores: the attention's
+        ``scale``, times ``log2(e)`` where the softmax takes powers of two."""
+        return scale * LOG2E if self.base2 else scale
+
+    def attend(self, scores: mx.array, mask: mx.array, output_of: Output) -> mx.array:
+        """``output_of(softmax(scores))`` over the positions ``mask`` keeps (``mask``
+        broadcasts against ``scores``; masked positions weigh 0), the scores from queries
+        scaled by :meth:`query_scale`. The softmax accumulates in float32; the weights
+        reach ``output_of`` in the scores' dtype."""
+        if not self.base2:
+            fill = max(MASKED, mx.finfo(scores.dtype).min)  # (float16's range ends sooner)
+            masked = mx.where(mask, scores, mx.array(fill, scores.dtype))
+            return output_of(mx.softmax(masked, axis=-1, precise=True))
+        warm_up()
+        # The bias is the mask's size, the scores' head count times smaller.
+        x = scores.astype(mx.float32) + mx.where(mask, 0.0, MASKED)
+        weights = pow2_minus(x, x.max(axis=-1, keepdims=True))
+        total = weights.sum(axis=-1, keepdims=True).astype(scores.dtype)
+        return output_of(weights.astype(scores.dtype)) / total
+
+
+mlx_softmax = Softmax("mlx", base2=False)
+pow2_softmax = Softmax("pow2", base2=True)
+SOFTMAXES: dict[str, Softmax] = {s.name: s for s in (pow2_softmax, mlx_softmax)}
 
 
 def choose_softmax(backend: str) -> str:
@@ -61,11 +169,10 @@ def causal_attention(
     and each earlier one a key fewer."""
     batch, heads, rows, dim = queries.shape
     kv_heads, span = keys.shape[1], keys.shape[2]
-    q = (queries * mx.array(scale, queries.dtype)).reshape(
+    q = (queries * mx.array(softmax.query_scale(scale), queries.dtype)).reshape(
         batch, kv_heads, heads // kv_heads, rows, dim
     )
     scores = q @ mx.expand_dims(keys, 2).swapaxes(-1, -2)
     seen = mx.arange(span - rows, span)[:, None] >= mx.arange(span)[None]
-    scores = mx.where(seen, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
-    out = softmax(scores) @ mx.expand_dims(values, 2)
+    out = softmax.attend(scores, seen, lambda w: w @ mx.expand_dims(values, 2))
     return out.reshape(batch, heads, rows, dim)
