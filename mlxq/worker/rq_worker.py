@@ -121,9 +121,12 @@ class MlxqWorker(RQWorkerBase):
     ) -> bool:
         """Serve the queues until stopped (or, with ``burst``, until they are empty)."""
         outage = Outage(self.log, self.name)
-        try:  # (a signal during bootstrap still ends in the teardown below)
-            while_refused(lambda: self.bootstrap(logging_level), outage)  # a full Redis: wait
+        try:
+            # The handlers first: a signal during bootstrap then stops the loop like any other,
+            # where a KeyboardInterrupt raised inside it could leave RQ's command-channel
+            # thread running, unrecorded, past the worker (it logged Redis errors at exit).
             internals.install_signal_handlers(self)
+            while_refused(lambda: self.bootstrap(logging_level), outage)  # a full Redis: wait
             self.set_state(WorkerStatus.IDLE)
             with contextlib.suppress(redis.RedisError):  # (its loop publishes it again)
                 self._report_if_due(force=True)  # seen by `mlxq api` as soon as it listens

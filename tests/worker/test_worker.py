@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 import pytest
 from rq import Queue
@@ -153,3 +155,28 @@ def test_worker_publishes_itself_and_serves_metrics(conn, profile):
     finished = sum(v for (n, labels), v in samples.items() if n == "mlxq_jobs_total")
     assert finished == 6
     worker.reporter.metrics.stop()
+
+
+def test_a_signal_while_the_worker_starts_stops_it_like_any_other(conn, profile, monkeypatch):
+    # `mlxq run` interrupted as it starts: the signal lands while the worker subscribes to
+    # RQ's command channel. It stops the worker as a signal does later (no KeyboardInterrupt,
+    # nothing taken), and the channel's thread does not outlive it.
+    from mlxq.worker.rq_worker import MlxqWorker
+
+    info = batches.submit(conn, [Request(prompt="p", max_tokens=4)], queue="sigq")
+    subscribe = MlxqWorker.subscribe
+
+    def subscribe_then_signal(self: MlxqWorker) -> None:
+        subscribe(self)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)  # (the handler runs here)
+
+    monkeypatch.setattr(MlxqWorker, "subscribe", subscribe_then_signal)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        worker = run_worker(profile, conn, burst=True, queues=["sigq"])
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+    assert worker.pubsub_thread is not None and not worker.pubsub_thread.is_alive()
+    assert batches.batch_status(conn, info.batch_id).queued == 1
