@@ -31,8 +31,10 @@ from mlxq.engine.models.mlx_lm_seam import AttendingCache
 from mlxq.engine.slots.softmax import Softmax, causal_attention, mlx_softmax
 
 BLOCK_ENV = "MLXQ_PREFILL_BLOCK"
-# Measured on the real model (one 1,480-token prompt): 128 rows 1.6x, 256 1.5x, 512 1.4x.
-CPU_BLOCK = 128
+# Measured on the real model against one call (one 1,480-token prompt, MLX's softmax): 128
+# rows 1.6x, 256 1.5x, 512 1.4x. With the pow2 softmax, a pair of such prompts on two
+# streams: 32 rows 1.16x 128's (a block's scores stay in the cache), 24 the same, 16 1.1x.
+CPU_BLOCK = 32
 
 
 def choose_block(backend: str) -> int:

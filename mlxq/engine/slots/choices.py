@@ -38,7 +38,7 @@
   attention groups share out among (:func:`~mlxq.engine.slots.order.share_out`), 2 by
   default where there are 2 cores or more, because the softmax runs on one thread a stream;
 - prefill blocks (``MLXQ_PREFILL_BLOCK``, CPU only by default): a prefill call (each
-  part of one split over streams) attends in blocks of 128 query rows, each over the keys
+  part of one split over streams) attends in blocks of 32 query rows, each over the keys
   up to its own (:mod:`~mlxq.engine.slots.causal_blocks`), because MLX's CPU attention
   computes and exponentiates the whole square;
 - softmax (``MLXQ_SOFTMAX``): ``pow2`` on the CPU, where MLX's ``exp`` is slow, for the
