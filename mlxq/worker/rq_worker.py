@@ -122,9 +122,8 @@ class MlxqWorker(RQWorkerBase):
         """Serve the queues until stopped (or, with ``burst``, until they are empty)."""
         outage = Outage(self.log, self.name)
         try:
-            # The handlers first: a signal during bootstrap then stops the loop like any other,
-            # where a KeyboardInterrupt raised inside it could leave RQ's command-channel
-            # thread running, unrecorded, past the worker (it logged Redis errors at exit).
+            # Handlers first: a signal during bootstrap stops the loop like a later one (a
+            # KeyboardInterrupt there could leave RQ's command-channel thread running).
             internals.install_signal_handlers(self)
             while_refused(lambda: self.bootstrap(logging_level), outage)  # a full Redis: wait
             self.set_state(WorkerStatus.IDLE)
