@@ -1,6 +1,6 @@
 """MLX's CPU kernels built one process at a time (mlxq.engine.kernel_lock), and the
-softmax's warm-up building every kernel its attention evaluates later (no kernel is built
-outside the lock afterwards)."""
+softmax's and the SiLU's warm-ups building every kernel their users evaluate later (no
+kernel is built outside the lock afterwards)."""
 
 from __future__ import annotations
 
@@ -42,13 +42,14 @@ ATTEND = """
 import itertools, os
 import mlx.core as mx
 mx.set_default_device(mx.cpu)
-from mlxq.engine.slots import softmax
+from mlxq.engine.slots import silu, softmax
 from mlxq.engine.slots.attention import gqa_decode
 
 def kernels():
     return {p.name for p in __import__("pathlib").Path(os.environ["TMPDIR"]).rglob("*.so")}
 
 softmax.warm_up()
+silu.warm_up()
 built = kernels()
 print(len(built))
 for rows, span, heads, kv in itertools.product((1, 5, 128), (1, 9, 300), (1, 9), (1, 3)):
@@ -61,15 +62,20 @@ for rows, span, heads, kv in itertools.product((1, 5, 128), (1, 9, 300), (1, 9),
     for block in (1, 7):
         qb = mx.random.normal((1, heads, min(block, span), 8))
         mx.eval(softmax.causal_attention(qb, k[:1], v[:1], 0.3, softmax.pow2_softmax))
+for rows, tokens, width in itertools.product((1, 5, 128), (1, 7), (1, 64, 1536)):
+    gate, up = (mx.random.normal((rows, tokens, width)) for _ in range(2))
+    wide = mx.random.normal((rows, tokens, 2 * width))
+    mx.eval(silu.pow2_swiglu(gate, up), silu.pow2_swiglu(wide[..., :width], wide[..., width:]))
 print(sorted(kernels() - built))
 """
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="MLX builds CPU kernels with g++")
-def test_the_warm_up_builds_every_kernel_the_attention_evaluates(tmp_path) -> None:
+def test_the_warm_ups_build_every_kernel_the_attention_and_the_mlp_evaluate(tmp_path) -> None:
     """In a fresh kernel folder: the decode attention over one row or many, of one
-    position or many, one query head or several over one KV head or several, and prefill
-    blocks of one query row or several, build nothing after the warm-up."""
+    position or many, one query head or several over one KV head or several, prefill
+    blocks of one query row or several, and the SiLU over inputs whole or as views, of
+    every size, build nothing after the warm-ups."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     run = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(ATTEND)],
@@ -80,7 +86,7 @@ def test_the_warm_up_builds_every_kernel_the_attention_evaluates(tmp_path) -> No
     )
     assert run.returncode == 0, run.stderr
     built, after = run.stdout.splitlines()
-    assert int(built) >= 3  # (the three kernels, built into this folder)
+    assert int(built) >= 5  # (the power's two, the softmax's and the SiLU's, built here)
     assert after == "[]"
     assert any(Path(tmp_path, "mlx").rglob("*.so"))
 

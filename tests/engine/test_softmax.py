@@ -1,6 +1,7 @@
 """The attention's softmax through powers of two (mlxq.engine.slots.softmax): MLX's softmax
 within a unit or two in the last place, the causal attention MLX composes, the engine's
-choice per backend, and mlx-lm's greedy tokens through the engine with it."""
+choice per backend, and mlx-lm's greedy tokens through the engine with it; the same two
+for the MLP's SiLU through powers of two (mlxq.engine.slots.silu; its own: test_silu.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from mlxq.engine.slots.attention import KERNEL_ENV
 from mlxq.engine.slots.causal_blocks import BLOCK_ENV
 from mlxq.engine.slots.engine import SlotEngine
 from mlxq.engine.slots.joins import JoinPolicy
+from mlxq.engine.slots.silu import SILU_ENV, choose_silu
 from mlxq.engine.slots.softmax import (
     SOFTMAX_ENV,
     SOFTMAXES,
@@ -83,25 +85,32 @@ def test_causal_attention_is_mlx_s_one_call(name: str, rows: int, span: int) -> 
     assert mx.allclose(got, want, atol=2e-6).item()
 
 
-def test_softmax_settings(monkeypatch) -> None:
-    monkeypatch.delenv(SOFTMAX_ENV, raising=False)
-    assert choose_softmax("cpu") == "pow2"
-    assert choose_softmax("cuda") == "mlx" and choose_softmax("metal") == "mlx"
-    monkeypatch.setenv(SOFTMAX_ENV, "mlx")
-    assert choose_softmax("cpu") == "mlx"
-    monkeypatch.setenv(SOFTMAX_ENV, "exp")
-    with pytest.raises(ValueError, match=f"{SOFTMAX_ENV}='exp': choose one of pow2, mlx"):
-        choose_softmax("cpu")
+@pytest.mark.parametrize(
+    ("choose", "env"), [(choose_softmax, SOFTMAX_ENV), (choose_silu, SILU_ENV)]
+)
+def test_softmax_and_silu_settings(monkeypatch, choose, env) -> None:
+    monkeypatch.delenv(env, raising=False)
+    assert choose("cpu") == "pow2"
+    assert choose("cuda") == "mlx" and choose("metal") == "mlx"
+    monkeypatch.setenv(env, "mlx")
+    assert choose("cpu") == "mlx"
+    monkeypatch.setenv(env, "exp")
+    with pytest.raises(ValueError, match=f"{env}='exp': choose one of pow2, mlx"):
+        choose("cpu")
 
 
 @pytest.mark.parametrize("name", ["pow2", "mlx"])
-def test_the_engine_gives_mlx_lm_s_tokens_with_either_softmax(tiny, monkeypatch, name) -> None:
+@pytest.mark.parametrize("env", [SOFTMAX_ENV, SILU_ENV])
+def test_the_engine_gives_mlx_lm_s_tokens_with_either_softmax_or_silu(
+    tiny, monkeypatch, env, name
+) -> None:
     """Jobs of 1-200 prompt tokens joining a step apart (decode over rows of different
-    spans, prefill in blocks on two streams): mlx-lm's greedy tokens."""
-    monkeypatch.setenv(SOFTMAX_ENV, name)
+    spans, prefill in blocks on two streams), the attention's softmax or the MLP's SiLU
+    (mlxq.engine.slots.silu) through powers of two or MLX's: mlx-lm's greedy tokens."""
+    monkeypatch.setenv(env, name)
     engine = SlotEngine.from_loaded(*tiny, "tiny", max_batch=8)
     engine.joiner.policy = JoinPolicy(0)
-    assert engine.choices.softmax == name
+    assert (engine.choices.softmax if env == SOFTMAX_ENV else engine.choices.silu) == name
     jobs = {
         f"p{n}": Request(prompt=[(5 * i + n) % 300 + 3 for i in range(n)], max_tokens=16)
         for n in (200, 1, 57, 130, 9)

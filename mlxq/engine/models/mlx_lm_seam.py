@@ -12,6 +12,11 @@ the model's mask, and passes every other cache through to mlx-lm's function unch
 (other engines and plain mlx-lm calls behave as before). The slot cache depends on this module,
 never the other way round.
 
+Their MLPs call ``swiglu``, imported from ``mlx_lm.models.activations`` the same way:
+:func:`install` rebinds it to :func:`_swiglu`, which calls the one that
+:func:`activations` chose for the thread (the slot engine's steps choose theirs,
+:mod:`~mlxq.engine.slots.silu`), else mlx-lm's.
+
 :func:`unsupported` says why a model cannot run on slot caches (or None): its cache must
 be a plain ``KVCache`` per layer (no sliding window, no SSM state, no MLA latent cache)
 and its attention must go through a rebindable ``scaled_dot_product_attention``.
@@ -19,16 +24,23 @@ and its attention must go through a rebindable ``scaled_dot_product_attention``.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import activations as mlx_activations
 from mlx_lm.models import base
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 _ORIGINAL = base.scaled_dot_product_attention
 _NAME = "scaled_dot_product_attention"
+_ORIGINAL_SWIGLU = mlx_activations.swiglu
+_SWIGLU = "swiglu"
+_chosen = threading.local()  # .swiglu: this thread's, while activations() holds
 
 
 class AttendingCache:
@@ -75,8 +87,35 @@ def unsupported(model: nn.Module) -> str | None:
     return None
 
 
+def _swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    chosen = getattr(_chosen, "swiglu", None)
+    return (chosen or _ORIGINAL_SWIGLU)(gate, x)
+
+
+@contextlib.contextmanager
+def activations(swiglu: Callable[[mx.array, mx.array], mx.array] | None) -> Iterator[None]:
+    """Inside the block, the installed models' ``swiglu`` calls on this thread go to
+    ``swiglu`` (None: mlx-lm's own); as before after it."""
+    before = getattr(_chosen, "swiglu", None)
+    _chosen.swiglu = swiglu
+    try:
+        yield
+    finally:
+        _chosen.swiglu = before
+
+
+def uses_swiglu(model: nn.Module) -> bool:
+    """Whether the model's modules call mlx-lm's ``swiglu`` (so :func:`activations` acts)."""
+    return any(
+        getattr(m, _SWIGLU, None) in (_ORIGINAL_SWIGLU, _swiglu) for m in _model_modules(model)
+    )
+
+
 def install(model: nn.Module) -> None:
-    """Route the model's attention calls through :func:`_sdpa` (idempotent)."""
+    """Route the model's attention calls through :func:`_sdpa` and its ``swiglu`` calls
+    through :func:`_swiglu` (idempotent)."""
     for module in _model_modules(model):
         if getattr(module, _NAME, None) is _ORIGINAL:
             setattr(module, _NAME, _sdpa)
+        if getattr(module, _SWIGLU, None) is _ORIGINAL_SWIGLU:
+            setattr(module, _SWIGLU, _swiglu)

@@ -42,7 +42,9 @@
   up to its own (:mod:`~mlxq.engine.slots.causal_blocks`), because MLX's CPU attention
   computes and exponentiates the whole square;
 - softmax (``MLXQ_SOFTMAX``): ``pow2`` on the CPU, where MLX's ``exp`` is slow, for the
-  attention mlxq composes (:mod:`~mlxq.engine.slots.softmax`).
+  attention mlxq composes (:mod:`~mlxq.engine.slots.softmax`);
+- SiLU (``MLXQ_SILU``): ``pow2`` on the CPU, for the MLP's ``swiglu``
+  (:mod:`~mlxq.engine.slots.silu`), for the same reason.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from mlxq.engine.models import fused_projections
 from mlxq.engine.slots.attention import Kernel, choose_kernel, quantized_kernel
 from mlxq.engine.slots.causal_blocks import BLOCK_ENV, choose_block
 from mlxq.engine.slots.prefill_streams import choose_streams
+from mlxq.engine.slots.silu import choose_silu
 from mlxq.engine.slots.softmax import SOFTMAX_ENV, SOFTMAXES, choose_softmax
 from mlxq.wire import ModelInfo
 
@@ -92,6 +95,7 @@ class DecodeChoices:
     decode_streams: int  # CPU streams a step's attention groups share out among
     prefill_block: int  # query rows a block of a prefill's causal attention (0: one call)
     softmax: str  # the softmax of the attention mlxq composes: "pow2" or "mlx"
+    silu: str  # the MLP's swiglu: "pow2" or "mlx"
     fused: tuple[str, ...]  # sibling projections run as one matmul: "attention", "mlp"
 
     @classmethod
@@ -133,6 +137,7 @@ class DecodeChoices:
             decode_streams=choose_streams(backend, DECODE_STREAMS_ENV),
             prefill_block=block,
             softmax=softmax,
+            silu=choose_silu(backend),
             fused=fused_projections.wanted(backend),
         )
 
@@ -147,7 +152,7 @@ class DecodeChoices:
             f", prefill split over {self.prefill_streams} CPU stream(s)"
             f", decode attention over {self.decode_streams} CPU stream(s)"
             f", prefill attention in blocks of {self.prefill_block or 'all'} query rows"
-            f", softmax {self.softmax}"
+            f", softmax {self.softmax}, SiLU {self.silu}"
             f", projections fused: {', '.join(self.fused) or 'none'}"
         )
 

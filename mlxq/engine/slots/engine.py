@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,7 @@ from mlxq.engine.slots.choices import DecodeChoices
 from mlxq.engine.slots.decoder import Decoder
 from mlxq.engine.slots.joiner import Joiner
 from mlxq.engine.slots.joins import JoinPolicy, Waiting
+from mlxq.engine.slots.silu import SILU_ENV, SWIGLUS, Swiglu
 from mlxq.engine.slots.step import Step
 from mlxq.engine.stats import EngineStats
 from mlxq.wire import Request
@@ -111,6 +113,7 @@ class SlotEngine:
         # Structured outputs (response_format) are one more batch hook.
         self._constraints = ConstraintHook.for_model(model, tokenizer)
         choices = DecodeChoices.choose(backend_name(), self.info, attention, kv_bits)
+        self._swiglu = _swiglu_for(model, name, choices.silu)
         if choices.fused:  # (in place: the model's parameters read as before)
             fuse_projections(model, choices.fused)
         policy = JoinPolicy(wait=choices.join_wait, idle_budget=choices.join_cost * max_batch)
@@ -252,6 +255,10 @@ class SlotEngine:
 
         Returns the jobs that finished in this step.
         """
+        with mlx_lm_seam.activations(self._swiglu):
+            return self._step()
+
+    def _step(self) -> list[Completion]:
         b = self.batch
         done = self._join() if self.joiner.due() else []
         if b.steps % SORT_EVERY == 0 and b.choices.sorting:
@@ -292,3 +299,18 @@ class SlotEngine:
     def deliver(self, tokens: list[int]) -> None:
         """The sampled tokens of the step in flight (a stage that does not sample)."""
         self.decoder.deliver(tokens)
+
+
+def _swiglu_for(model: nn.Module, name: str, silu: str) -> Swiglu | None:
+    """The swiglu the engine's steps run the model with (None: mlx-lm's); raises
+    ``ValueError`` where ``MLXQ_SILU`` asks for one that this model would not call."""
+    if silu == "mlx":
+        return None
+    if not mlx_lm_seam.uses_swiglu(model):
+        if os.environ.get(SILU_ENV) is not None:
+            raise ValueError(
+                f"{SILU_ENV}={silu} applies to models whose MLP calls mlx-lm's swiglu; "
+                f"{name}'s does not: unset {SILU_ENV}"
+            )
+        return None  # (a default that goes unused is not refused)
+    return SWIGLUS[silu]

@@ -1,60 +1,38 @@
 """The attention's softmax where mlxq composes the attention: through powers of two on the CPU.
 
-MLX's CPU ``exp`` (and ``mx.softmax``, built on it) took 13-18 ns an element here, on one
-thread a stream; the attention's softmax is the largest part of a CPU decode step's
-attention and of a long prompt's prefill (bench/RESULTS.md). ``pow2`` takes ``exp(s - max)``
-as ``2 ** (y - max)`` with the scores ``y = s * log2(e)`` (the queries carry the factor, see
-:meth:`Softmax.query_scale`), and ``2 ** y`` from its parts: the nearest whole number ``n``
-becomes the float's exponent bits, and ``2 ** (y - n)`` (within half a unit of 0) a
-degree-6 polynomial. Its elementwise work runs as three kernels that MLX compiles
-(``mx.compile``; MLX runs them op by op where it has no C++ compiler, still faster than
-``mx.exp``). Two more passes are saved: the mask is added as a bias, not selected with
-``mx.where`` (4x faster on the CPU), and the weights are divided by their sum after they
-weigh the values (a row's output, not its every position). The weights are within 1e-6
-of ``mx.softmax``'s at scores up to 30 (scaled into powers of two they round once more, as
-in MLX's Metal attention, which scales the same way); the tests hold mlx-lm's tokens.
+MLX's CPU ``exp`` (and ``mx.softmax``, built on it) is slow (:mod:`~mlxq.engine.pow2`); the
+attention's softmax is the largest part of a CPU decode step's attention and of a long
+prompt's prefill (bench/RESULTS.md). ``pow2`` takes ``exp(s - max)`` as ``2 ** (y - max)``
+with the scores ``y = s * log2(e)`` (the queries carry the factor, see
+:meth:`Softmax.query_scale`), through :func:`~mlxq.engine.pow2.power`. Two more passes are
+saved: the mask is added as a bias, not selected with ``mx.where`` (4x faster on the CPU),
+and the weights are divided by their sum after they weigh the values (a row's output, not
+its every position). The weights are within 1e-6 of ``mx.softmax``'s at scores up to 30
+(scaled into powers of two they round once more, as in MLX's Metal attention, which
+scales the same way); the tests hold mlx-lm's tokens.
 
 It applies where mlxq builds the attention from MLX operations: the ``gqa`` decode kernels
 (:mod:`~mlxq.engine.slots.attention`) and the prefill's blocks
 (:mod:`~mlxq.engine.slots.causal_blocks`). ``MLXQ_SOFTMAX``: ``pow2`` (the CPU's default)
 or ``mlx`` (``mx.softmax``, elsewhere's default: a GPU runs it as one fused kernel).
 
-MLX 0.32 fuses a compiled function's operations into one kernel only up to a depth of 11
-(a shapeless one's broadcasts count) and a single output; past either it splits the kernel
-and keeps more intermediate arrays of the scores' size. So each kernel here has one output
-and a few operations. Measured, ``attend`` holds up to four arrays of the scores' size
-beyond its input, where MLX's softmax works in place; the prefill's blocks run one after
-another on a stream, so that is one block's worth. :func:`warm_up` builds every kernel
-before its first use in a process, one process at a time
-(:mod:`~mlxq.engine.kernel_lock`).
+Measured, ``attend`` holds up to four arrays of the scores' size beyond its input, where
+MLX's softmax works in place; the prefill's blocks run one after another on a stream, so
+that is one block's worth. :func:`warm_up` builds every kernel before its first use in a
+process, one process at a time.
 """
 
 from __future__ import annotations
 
-import math
-import os
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxq.engine.kernel_lock import building_kernels
+from mlxq.engine.pow2 import LOG2E, choose, power, warm_once
 
 SOFTMAX_ENV = "MLXQ_SOFTMAX"
-LOG2E = 1 / math.log(2)
 MASKED = -1e30  # a masked score: finite, so exp() underflows to 0 without inf - inf = NaN
-_ROUND = 12582912.0  # 1.5 * 2**23: added to a float under 2**22, rounds it to a whole number
-# 2**r on |r| <= 0.5, a least-squares fit of relative error (1.9e-9; 1.6e-7 in float32)
-_POLY = [
-    1.000000001,
-    0.6931472056,
-    0.2402264661,
-    0.05550328998,
-    0.009618519534,
-    0.001339986036,
-    0.0001533757683,
-]
 
 Output = Callable[[mx.array], mx.array]
 
@@ -64,29 +42,8 @@ def _below(x: mx.array, top: mx.array) -> mx.array:
     return mx.maximum(x - top, -127.0)
 
 
-def _whole(y: mx.array) -> mx.array:
-    """The whole number nearest ``y`` (``_ROUND``'s last place is 1)."""
-    return (y + _ROUND) - _ROUND
-
-
-def _power_bits(y: mx.array) -> mx.array:
-    """The float32 bits of ``2 ** n``, ``n`` the whole number nearest ``y`` (an int32 array
-    to view as float32)."""
-    return ((_whole(y) + 127.0) * float(1 << 23)).astype(mx.int32)  # (exact: 7 bits)
-
-
-def _times_power(y: mx.array, scale: mx.array) -> mx.array:
-    """``scale * 2 ** (y - n)``: the polynomial over ``|y - n| <= 0.5`` in Estrin's form."""
-    c, r = _POLY, y - _whole(y)
-    r2 = r * r
-    high = (c[4] + c[5] * r) + r2 * c[6]
-    return ((c[0] + c[1] * r) + r2 * (c[2] + c[3] * r) + (r2 * r2) * high) * scale
-
-
 # Shapeless: a decode step's shapes change every step, and each traced shape would be kept.
 _below_c = mx.compile(_below, shapeless=True)
-_power_bits_c = mx.compile(_power_bits, shapeless=True)
-_times_power_c = mx.compile(_times_power, shapeless=True)
 
 
 def pow2_minus(x: mx.array, top: mx.array) -> mx.array:
@@ -95,27 +52,20 @@ def pow2_minus(x: mx.array, top: mx.array) -> mx.array:
     # As rows of a matrix: MLX builds a kernel per layout, and these are the four
     # :func:`warm_up` builds (many or one row, many or one position).
     shape = x.shape
-    y = _below_c(x.reshape(-1, shape[-1]), top.reshape(-1, 1))
-    return _times_power_c(y, _power_bits_c(y).view(mx.float32)).reshape(shape)
-
-
-_warm = threading.Lock()
-_warmed = False
+    return power(_below_c(x.reshape(-1, shape[-1]), top.reshape(-1, 1))).reshape(shape)
 
 
 def warm_up() -> None:
     """Build the kernels :func:`pow2_minus` evaluates, once a process, one process at a
-    time (module docstring). MLX builds a kernel for each layout of its matrix: many rows
-    or one (a single maximum), many positions or one."""
-    global _warmed
-    with _warm:
-        if _warmed:
-            return
-        with building_kernels():
-            for shape in ((2, 3), (1, 3), (2, 1), (1, 1)):
-                x = mx.zeros(shape, mx.float32)
-                mx.eval(pow2_minus(x, x.max(axis=-1, keepdims=True)))
-        _warmed = True
+    time (:func:`~mlxq.engine.pow2.warm_once`): one for each layout of its matrix, many
+    rows or one (a single maximum), many positions or one."""
+    warm_once("softmax", _build)
+
+
+def _build() -> None:
+    for shape in ((2, 3), (1, 3), (2, 1), (1, 1)):
+        x = mx.zeros(shape, mx.float32)
+        mx.eval(pow2_minus(x, x.max(axis=-1, keepdims=True)))
 
 
 @dataclass(frozen=True)
@@ -155,10 +105,7 @@ SOFTMAXES: dict[str, Softmax] = {s.name: s for s in (pow2_softmax, mlx_softmax)}
 def choose_softmax(backend: str) -> str:
     """The softmax's name on ``backend`` (module docstring); raises ``ValueError`` for a
     setting that names none."""
-    name = os.environ.get(SOFTMAX_ENV) or ("pow2" if backend == "cpu" else "mlx")
-    if name not in SOFTMAXES:
-        raise ValueError(f"{SOFTMAX_ENV}={name!r}: choose one of {', '.join(SOFTMAXES)}")
-    return name
+    return choose(SOFTMAX_ENV, backend, SOFTMAXES)
 
 
 def causal_attention(
