@@ -151,9 +151,12 @@ def time_logprobs(vocab: int, rows: int, repeat: int) -> float:
 
 def time_elementwise(model: Any, rows: int, repeat: int) -> float:
     """Seconds of every layer's elementwise work on ``rows`` tokens: two RMS norms, RoPE
-    on the query and key, SiLU(gate) x up, two residual adds (the final norm left out)."""
+    on the query and key, SiLU(gate) x up (the engine's, ``MLXQ_SILU``), two residual adds
+    (the final norm left out)."""
     import mlx.core as mx
-    import mlx.nn as nn
+
+    from mlxq.engine.hardware import backend_name
+    from mlxq.engine.slots.silu import SWIGLUS, choose_silu
 
     a = model.args
     heads, kv = a.num_attention_heads, a.num_key_value_heads
@@ -165,12 +168,13 @@ def time_elementwise(model: Any, rows: int, repeat: int) -> float:
     offsets = mx.random.randint(0, 256, (rows,))
     mx.eval(h, g, u, q, k, w, offsets)
     rope = model.model.layers[0].self_attn.rope
+    swiglu = SWIGLUS[choose_silu(backend_name())]
 
     def build() -> list[Any]:
         out = []
         for _ in range(a.num_hidden_layers):
             out += [mx.fast.rms_norm(h, w, 1e-5), mx.fast.rms_norm(h, w, 1e-5), h + h, h + h]
-            out += [rope(q, offset=offsets), rope(k, offset=offsets), nn.silu(g) * u]
+            out += [rope(q, offset=offsets), rope(k, offset=offsets), swiglu(g, u)]
         return out
 
     return median_seconds(build, repeat, quartile=True)
