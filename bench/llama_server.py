@@ -394,9 +394,12 @@ def _median_or_none(values: Sequence[float | None]) -> float | None:
 
 def side_table(mlxq: Sequence[SideRun], llama: Sequence[SideRun]) -> str:
     """mlxq and llama-server side by side (medians over rounds; peak RSS the most of any
-    round), then their ratio."""
+    round), then their ratio; a side that did not run (``--sides``) is left out, and the
+    ratio with it."""
     rows, figures = [], {}
     for name, runs in (("mlxq", mlxq), ("llama-server", llama)):
+        if not runs:
+            continue
         rss = [r.peak_rss for r in runs if r.peak_rss]
         eos = [r.eos for r in runs if r.eos is not None]
         f = {
@@ -414,12 +417,13 @@ def side_table(mlxq: Sequence[SideRun], llama: Sequence[SideRun]) -> str:
             f"{eos[0]:,}" if eos else "-", fmt_num(f["rss"], 2), fmt_num(f["cpu"], 1),
             fmt_num(f["load"], 1), " ".join(f"{r.gen_tps:.1f}" for r in runs),
         ])  # fmt: skip
-    m, ll = figures["mlxq"], figures["llama-server"]
-    rows.append([
-        "mlxq / llama-server", fmt_ratio(m["gen"], ll["gen"]), fmt_ratio(m["total"], ll["total"]),
-        fmt_ratio(m["wall"], ll["wall"]), "", "", "", fmt_ratio(m["rss"], ll["rss"]),
-        fmt_ratio(m["cpu"], ll["cpu"]), "", "",
-    ])  # fmt: skip
+    if len(figures) == 2:
+        m, ll = figures["mlxq"], figures["llama-server"]
+        rows.append([
+            "mlxq / llama-server", fmt_ratio(m["gen"], ll["gen"]),
+            fmt_ratio(m["total"], ll["total"]), fmt_ratio(m["wall"], ll["wall"]), "", "", "",
+            fmt_ratio(m["rss"], ll["rss"]), fmt_ratio(m["cpu"], ll["cpu"]), "", "",
+        ])  # fmt: skip
     head = [
         "side",
         "gen tok/s",
@@ -569,8 +573,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"llama-server: {flags}"
                 f" | {clients} clients | median of {args.repeat} rounds, interleaved"
             )
-            if "mlxq" in sides and "llama" in sides:
-                print(side_table(runs["mlxq"], runs["llama"]))
+            print(side_table(runs["mlxq"], runs["llama"]))
             out["workloads"].append(
                 {"name": chat.name, "label": chat.label, "llama_ctx": ctx, "mlxq_batch": batch,
                  "runs": {k: [dataclasses.asdict(r) for r in v] for k, v in runs.items()}}

@@ -217,3 +217,5 @@ def test_llama_server_bench_builds_the_same_requests_and_a_side_by_side_table() 
     # tokens per CPU second 25 against 50
     assert ratio[3:5] == ["0.38x", "0.38x"] and ratio[-2:] == ["3.00x", "0.50x"]
     assert "50.0 25.0" in out and "   7   " in out
+    alone = side_table(mlxq, []).splitlines()  # (--sides mlxq: its own rows, no ratio)
+    assert len(alone) == 2 and alone[1].split()[:2] == ["mlxq", "37.5"]
