@@ -3,7 +3,7 @@
 mlx-lm's llama-family MLPs (llama, qwen2, qwen3, mistral, phi3 and more) compute
 ``down(silu(gate(x)) * up(x))`` through ``swiglu`` (``mlx_lm.models.activations``), whose
 sigmoid takes MLX's ``exp``: on the CPU the largest elementwise part of a step, about a
-seventh of a decode step and of a prefill (bench/RESULTS.md). :func:`pow2_swiglu`
+seventh of a decode step (bench/RESULTS.md). :func:`pow2_swiglu`
 computes ``gate * x / (1 + 2 ** (-gate * log2 e))`` through
 :func:`~mlxq.engine.pow2.power`: as close to the exact value as mlx-lm's (both within
 9e-7, relative, of float64), in three compiled kernels. Float32 only: other dtypes keep
