@@ -17,8 +17,10 @@ suffix is prefilled.
   it again (``plan`` returns None).
 - **What is stored.** Every admitted prompt is counted (:meth:`PrefixCache.observe`: a
   hash per block boundary). A job stores its prompt up to the longest block boundary seen
-  in at least two prompts, if that is at least ``min_store_tokens`` long: prefixes that
-  recur, not every job's unique text. The engine counts a burst of jobs before planning
+  in at least two prompts, if that is at least ``min_store_tokens`` long (one block by
+  default: a chat template's default system prompt is about that, and on a CPU every
+  prompt token prefilled costs as much as any other): prefixes that recur, not every
+  job's unique text. The engine counts a burst of jobs before planning
   any of them, so the first job of a burst already stores the shared prefix, and the
   others wait for it. The job is inserted with the stored part as its own prompt segment;
   when mlx-lm ends that segment, its cache holds exactly the prefix and is copied here
@@ -80,6 +82,17 @@ class Plan:
     def reused_tokens(self) -> int:
         return len(self.reused) * self.owner.block_size
 
+    def tokens(self, blocks: int) -> int:
+        """The prompt tokens that ``blocks`` of the cache hold."""
+        return blocks * self.owner.block_size
+
+    def cut(self, blocks: int) -> None:
+        """Reuse only the first ``blocks`` of the stored prefix: the job's prefill group
+        shares no more (:func:`~mlxq.engine.slots.joins.pick_group`); the rest is
+        prefilled again. The blocks it stores stay where they are in the prompt."""
+        self.owner.reused_tokens -= self.tokens(len(self.reused) - blocks)
+        self.reused = self.reused[:blocks]
+
     def segments(self, prompt: list[int]) -> list[list[int]]:
         """The prompt left to prefill, split where the stored prefix ends."""
         start = self.reused_tokens
@@ -108,7 +121,7 @@ class PrefixCache:
         *,
         block_size: int = DEFAULT_BLOCK,
         block_bytes: int = 0,
-        min_store_tokens: int = 128,
+        min_store_tokens: int = DEFAULT_BLOCK,
         max_counts: int = 1 << 18,
     ) -> None:
         """``block_bytes`` estimates a block's KV size (updated from the blocks stored):
@@ -278,7 +291,7 @@ class PrefixCache:
             return
         tic = time.perf_counter()
         b, payloads = self.block_size, []
-        for start in range(plan.reused_tokens, plan.store_to, b):
+        for start in range(plan.store_to - len(plan.store) * b, plan.store_to, b):
             kv = [
                 (
                     mx.contiguous(c.keys[..., start : start + b, :]),

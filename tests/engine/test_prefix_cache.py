@@ -171,6 +171,17 @@ def test_a_job_plans_to_store_only_what_fits() -> None:
     assert plan is not None and not plan.store
 
 
+def random_layers() -> list[KVCache]:
+    """Two layers' caches of 12 positions (2 heads of 8), random keys and values."""
+    layers = []
+    for _ in range(2):
+        c = KVCache()
+        c.keys, c.values = mx.random.normal((1, 2, 12, 8)), mx.random.normal((1, 2, 12, 8))
+        c.offset = 12
+        layers.append(c)
+    return layers
+
+
 def test_store_copies_blocks_and_kv_cache_joins_them() -> None:
     cache = PrefixCache(1 << 20, block_size=4, min_store_tokens=8)
     prompt = list(range(1, 15))  # 14 tokens: 3 blocks storable
@@ -178,12 +189,7 @@ def test_store_copies_blocks_and_kv_cache_joins_them() -> None:
     cache.observe(prompt)
     plan = cache.plan(prompt)
     assert plan is not None and plan.store_to == 12
-    layers = []
-    for _ in range(2):
-        c = KVCache()
-        c.keys, c.values = mx.random.normal((1, 2, 12, 8)), mx.random.normal((1, 2, 12, 8))
-        c.offset = 12
-        layers.append(c)
+    layers = random_layers()
     cache.store(plan, layers, [*prompt[:11], 0], prompt)  # not the prompt: not stored
     assert cache.blocks == 0 and not plan.store
     plan = cache.plan(prompt)
@@ -198,6 +204,35 @@ def test_store_copies_blocks_and_kv_cache_joins_them() -> None:
     for got, want in zip(kv, layers, strict=True):
         assert mx.array_equal(got.keys, want.keys) and mx.array_equal(got.values, want.values)
         assert got.keys is not want.keys
+
+
+def test_a_cut_plan_stores_its_blocks_where_they_are() -> None:
+    """A job whose prefill group shares fewer stored blocks than it could reuse (its plan
+    cut) prefills them again, and still stores its own new block from its place in the
+    prompt: a later job reusing all three gets the keys and values of positions 0-11."""
+    cache = PrefixCache(1 << 20, block_size=4, min_store_tokens=4)
+    layers = random_layers()
+    first = [*SHARED[:8], 1]
+    for prompt in (first, [*SHARED[:8], 2]):
+        cache.observe(prompt)
+    plan = cache.plan(first)
+    assert plan is not None and len(plan.store) == 2
+    cache.store(plan, layers, first[:8], first)
+    third, fourth = [*SHARED, 3], [*SHARED, 4]
+    cache.observe(third)
+    cache.observe(fourth)
+    plan = cache.plan(third)
+    assert plan is not None and plan.reused_tokens == 8 and plan.store_to == 12
+    before = cache.reused_tokens
+    plan.cut(1)
+    assert plan.reused_tokens == 4 and cache.reused_tokens == before - 4
+    cache.store(plan, layers, third[:12], third)
+    hit = cache.plan(fourth)
+    assert hit is not None and hit.reused_tokens == 12
+    kv = cache.kv_cache(hit)
+    assert kv is not None
+    for got, want in zip(kv, layers, strict=True):
+        assert mx.array_equal(got.keys, want.keys) and mx.array_equal(got.values, want.values)
 
 
 # -- the engine with a prefix cache on the tiny model -------------------------------------

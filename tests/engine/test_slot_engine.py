@@ -313,6 +313,32 @@ def test_prefix_reuse_writes_the_prefix_into_slots(tiny) -> None:
     assert stats.prefilled_tokens < sum(len(r.prompt) for r in jobs.values()) - 4 * 192
 
 
+def test_prompts_sharing_a_short_system_prompt_prefill_together(tiny) -> None:
+    """A chat burst: every prompt starts with a one-block system prompt, and pairs also
+    share their question's first block. The first job stores the system block (and its
+    pair's); the others reuse it, prefilling in groups from the block they all share
+    even where a pair's own block is stored too: 3 prefill calls (a group per stored
+    prefix would take 6). Tokens equal mlx-lm's and a run without the cache."""
+    model, tokenizer = tiny
+    system = list(range(3, 19))
+    questions = [[100 + 20 * q + i for i in range(16)] for q in range(4)]
+    jobs = {
+        f"j{i}": Request(prompt=[*system, *questions[i // 2], 400 + i, 5, 6, 7, 8], max_tokens=6)
+        for i in range(8)
+    }
+    plain = run_all(SlotEngine.from_loaded(model, tokenizer, "t", max_batch=8), dict(jobs))
+    engine = SlotEngine.from_loaded(model, tokenizer, "t", max_batch=8, prefix_cache_bytes=1 << 24)
+    reused = run_all(engine, dict(jobs))
+    assert {k: c.token_ids for k, c in reused.items()} == {k: c.token_ids for k, c in plain.items()}
+    for key, request in jobs.items():
+        want = reference(model, tokenizer, engine.encode(request), request)["tokens"]
+        assert reused[key].token_ids == want, key
+    stats = engine.stats()
+    assert stats.prefill_calls == 3
+    assert (stats.prefix_hits, stats.reused_tokens, stats.stored_tokens) == (7, 7 * 16, 5 * 16)
+    assert stats.prefilled_tokens == 20 * 8 + 16
+
+
 class BanToken:
     """A batch hook that forbids one token in every row and records what it saw."""
 

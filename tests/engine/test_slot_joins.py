@@ -19,6 +19,13 @@ class _Plan:
     reused: list[str]
     reused_tokens: int
 
+    def tokens(self, blocks: int) -> int:
+        return self.reused_tokens * blocks // max(1, len(self.reused))
+
+    def cut(self, blocks: int) -> None:
+        self.reused_tokens = self.tokens(blocks)
+        self.reused = self.reused[:blocks]
+
 
 @dataclass
 class _Prefix:
@@ -98,6 +105,47 @@ def test_pick_group_sizes_a_group_on_the_tokens_it_prefills() -> None:
     # Long prompts count one chunk: 3 x min(3000, 1000) = 3000 fits, a fourth would not.
     assert len(pick_group(_waiting(*[3000] * 5), 8, None, tokens=3000, step=1000)) == 3
     assert len(pick_group(_waiting(5000), 8, None, tokens=10)) == 1  # always one row
+
+
+@dataclass
+class _Stored:
+    """Plans by prompt length, as given: stored blocks of 16 tokens."""
+
+    plans: dict[int, list[str]]
+
+    def plan(self, prompt: list[int]) -> _Plan:
+        blocks = self.plans[len(prompt)]
+        return _Plan(list(blocks), 16 * len(blocks))
+
+
+def test_pick_group_joins_prompts_on_the_blocks_their_prefixes_share() -> None:
+    """Chat prompts share a template's system prompt (a block) and some share their
+    questions' first words too (a deeper block each): they prefill in one call from the
+    block they all share, each plan cut to it; another prefix, or none, waits for its own."""
+    stored = _Stored(
+        {
+            40: ["sys", "what is"],
+            41: ["sys", "how do"],
+            42: ["sys"],
+            43: ["other"],
+            44: [],
+            45: ["sys", "what is"],
+        }
+    )
+    w = _waiting(40, 41, 42, 43, 44, 45)
+    group = pick_group(w, limit=8, prefix=stored)
+    assert [len(g.run.prompt) for g in group] == [40, 41, 42, 45]
+    assert all(g.plan.reused == ["sys"] and g.plan.reused_tokens == 16 for g in group)
+    assert [len(x.run.prompt) for x in pick_group(w, 8, stored)] == [43]
+    assert [len(x.run.prompt) for x in pick_group(w, 8, stored)] == [44]
+    # A group keeps what its jobs share: two on the same deeper block keep both blocks.
+    pair = _waiting(40, 45)
+    assert all(g.plan.reused == ["sys", "what is"] for g in pick_group(pair, 8, stored))
+    # Padding is judged on what is left once the shared blocks are cut: 40 tokens less
+    # 16 against 200 less 16 is too much padding, the long one waits.
+    stored.plans[200] = ["sys", "what is"]
+    w = _waiting(40, 200)
+    assert [len(g.run.prompt) for g in pick_group(w, 8, stored)] == [40]
 
 
 def test_the_policy_modules_import_no_mlx() -> None:

@@ -7,8 +7,11 @@ Plain Python (no MLX): the slot engine hands in its waiting list and counts.
   the free slots idled as long as a call's fixed cost is worth, or the oldest has waited
   long enough.
 - :func:`pick_group`: up to ``limit`` waiting jobs in arrival order that share one
-  prefill call: the same cached prefix (if any) and prompts left to prefill within 2x
-  (or 64 tokens) of the first one's, so right-padding wastes little; with a token budget,
+  prefill call: a cached prefix (if any: the blocks their stored prefixes share, a job
+  whose own goes further prefilling the rest, so that prompts sharing a chat template's
+  system prompt but not their questions' first words still join together) and prompts
+  left to prefill within 2x (or 64 tokens) of the first one's, so right-padding wastes
+  little; with a token budget,
   as many as one prefill call of that many tokens holds; a job of ``n`` samples takes ``n``
   of the free slots; a job whose group's prefill failed (:attr:`Waiting.alone`) goes in a
   group of its own, so that a failure one job causes fails that job only.
@@ -100,7 +103,8 @@ def pick_group(
     known here (when the job arrived, the prefix it reuses may not have been stored yet).
     """
     group: list[Waiting] = []
-    key, base, longest, rows = None, 0, 0, 0
+    path: list[object] = []  # the stored blocks every job of the group starts from
+    first, longest, rows = 0, 0, 0  # prompt lengths: the first job's, the longest
     for w in waiting:
         if len(group) >= limit or (free is not None and rows + w.rows > free):
             break
@@ -109,18 +113,35 @@ def pick_group(
             if w.plan is None:
                 continue  # its prefix is being computed by another job: wait
             w.planned = True
-        leaf = w.plan.reused[-1] if w.plan is not None and w.plan.reused else None
-        n = len(w.run.prompt) - (w.plan.reused_tokens if w.plan is not None else 0)
-        if group and (w.alone or leaf is not key or not similar(n, base)):
-            continue  # alone, another cached prefix, or padding it would waste: later
-        if group and tokens and (len(group) + 1) * min(max(longest, n), step) > tokens:
+        reused = w.plan.reused if w.plan is not None else []
+        depth = _shared(path, reused) if group else len(reused)
+        if group and (w.alone or ((path or reused) and not depth)):
+            continue  # alone, or another cached prefix: later
+        cut = w.plan.tokens(depth) if w.plan is not None else 0
+        n, top = len(w.run.prompt), max(longest, len(w.run.prompt))
+        if group and not similar(n - cut, first - cut):
+            continue  # padding it would waste: later
+        if group and tokens and (len(group) + 1) * min(top - cut, step) > tokens:
             break
         if not group:
-            key, base = leaf, n
-        longest, rows = max(longest, n), rows + w.rows
+            first = n
+        path, longest, rows = reused[:depth], top, rows + w.rows
         group.append(w)
         if w.alone:
             break
     for w in group:
+        if w.plan is not None:
+            w.plan.cut(len(path))
+    for w in group:
         waiting.remove(w)
     return group
+
+
+def _shared(a: list[object], b: list[object]) -> int:
+    """How many leading blocks two stored prefixes share (the same nodes)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x is not y:
+            break
+        n += 1
+    return n
