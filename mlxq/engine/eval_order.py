@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import os
 
+from mlxq.engine.settings import whole_number
+
 WIDTH_ENV = "MLX_BFS_MAX_WIDTH"
 CPU_WIDTH = 4096
 
@@ -38,10 +40,8 @@ def widen(backend: str) -> None:
     docstring); a width the user set is kept. Call it before anything is evaluated: MLX
     reads the width once. Raises ``ValueError`` for a width that is not a positive whole
     number (MLX hangs on one)."""
-    raw = os.environ.get(WIDTH_ENV)
-    if raw is None:
+    if os.environ.get(WIDTH_ENV) is None:
         if backend == "cpu":
             os.environ[WIDTH_ENV] = str(CPU_WIDTH)
         return
-    if not raw.strip().isdigit() or int(raw) < 1:
-        raise ValueError(f"{WIDTH_ENV}={raw!r}: give a whole number of arrays, 1 or more")
+    whole_number(WIDTH_ENV, 0, 1, " of arrays")

@@ -13,8 +13,9 @@ Plain Python (no MLX).
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from mlxq.engine.settings import number
 
 log = logging.getLogger("mlxq.engine.gil")
 
@@ -25,13 +26,7 @@ DEFAULT_MS = 0.5
 def shorten_switch_interval() -> float:
     """Lower Python's switch interval to ``MLXQ_SWITCH_INTERVAL_MS`` (default 0.5 ms), never
     raise it (``0`` leaves it alone); return the interval in force, in seconds."""
-    raw = os.environ.get(ENV, "").strip()
-    try:
-        ms = float(raw) if raw else DEFAULT_MS
-    except ValueError as e:
-        raise ValueError(f"{ENV}={raw!r} is not a number of milliseconds (try 0.5)") from e
-    if ms < 0:
-        raise ValueError(f"{ENV}={raw!r} is negative: give milliseconds, or 0 to leave it")
+    ms = number(ENV, DEFAULT_MS, 0, " of milliseconds (0 leaves it alone)")
     current = sys.getswitchinterval()
     if ms and ms / 1000 < current:
         sys.setswitchinterval(ms / 1000)

@@ -24,6 +24,7 @@ import msgspec
 from mlxq.engine.distributed.channel import Channel
 from mlxq.engine.distributed.silence import Silence
 from mlxq.engine.hardware import device_facts
+from mlxq.engine.settings import number
 from mlxq.errors import StartupError, one_line
 
 # How long a rank waits for the others to start and connect (MLXQ_JOIN_TIMEOUT overrides).
@@ -88,7 +89,7 @@ def join(backend: str, timeout: float | None = None) -> mx.distributed.Group:
     and ends this one (MLX's init holds the GIL while it waits: no thread of this process
     could)."""
     if timeout is None:
-        timeout = float(os.environ.get(JOIN_TIMEOUT_ENV) or JOIN_TIMEOUT_S)
+        timeout = number(JOIN_TIMEOUT_ENV, JOIN_TIMEOUT_S, 0, " of seconds")
     rank = os.environ.get("MLX_RANK", "?")
     line = (
         f"mlxq: error: rank {rank}: {peers()} did not connect within {timeout:g}s: start "

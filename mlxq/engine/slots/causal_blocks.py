@@ -20,7 +20,6 @@ GPU kernels skip the masked blocks themselves, so elsewhere a chunk attends in o
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import mlx.core as mx
@@ -28,6 +27,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxq.engine.models.mlx_lm_seam import AttendingCache
+from mlxq.engine.settings import whole_number
 from mlxq.engine.slots.softmax import Softmax, causal_attention, mlx_softmax
 
 BLOCK_ENV = "MLXQ_PREFILL_BLOCK"
@@ -40,16 +40,8 @@ CPU_BLOCK = 32
 def choose_block(backend: str) -> int:
     """Query rows a prefill block holds on ``backend`` (0: no blocks); raises ``ValueError``
     for a setting that is not a whole number, 0 or more."""
-    raw = os.environ.get(BLOCK_ENV)
-    if raw is None:
-        return CPU_BLOCK if backend == "cpu" else 0
-    try:
-        block = int(raw)
-    except ValueError:
-        block = -1
-    if block < 0:
-        raise ValueError(f"{BLOCK_ENV}={raw!r}: give a whole number of query rows (0: off)")
-    return block
+    default = CPU_BLOCK if backend == "cpu" else 0
+    return whole_number(BLOCK_ENV, default, 0, " of query rows (0: off)")
 
 
 class BlockedCache(KVCache, AttendingCache):

@@ -54,6 +54,7 @@ import os
 from dataclasses import dataclass
 
 from mlxq.engine.models import fused_projections
+from mlxq.engine.settings import number, whole_number
 from mlxq.engine.slots.attention import Kernel, choose_kernel, quantized_kernel
 from mlxq.engine.slots.causal_blocks import BLOCK_ENV, choose_block
 from mlxq.engine.slots.prefill_streams import choose_streams
@@ -119,8 +120,7 @@ class DecodeChoices:
                 f"{SORT_ENV}=1 needs the eager decode forward ({COMPILE_ENV}=0): the "
                 "compiled one attends every row over the whole capacity and never sorts"
             )
-        split = env(SPLIT_ENV)
-        limit = int(split) if split is not None else SPLIT_BYTES.get(backend, 1 << 20)
+        limit = whole_number(SPLIT_ENV, SPLIT_BYTES.get(backend, 1 << 20), 0, " of bytes")
         return cls(
             attention=name,
             kernel=kernel,
@@ -130,8 +130,8 @@ class DecodeChoices:
             saving=limit // max(1, info.kv_bytes_per_token // max(1, info.num_layers)),
             compiled=compiled,
             sorting=not compiled and env(SORT_ENV, "1") == "1",
-            join_wait=int(env(JOIN_ENV) or JOIN_WAIT),
-            join_cost=float(env(JOIN_COST_ENV) or JOIN_COST.get(backend, 0.0)),
+            join_wait=whole_number(JOIN_ENV, JOIN_WAIT, 0, " of decode steps"),
+            join_cost=number(JOIN_COST_ENV, JOIN_COST.get(backend, 0.0), 0, " of decode steps"),
             prefill_buckets=env(BUCKETS_ENV, "1" if backend == "cuda" else "0") == "1",
             prefill_streams=choose_streams(backend),
             decode_streams=choose_streams(backend, DECODE_STREAMS_ENV),

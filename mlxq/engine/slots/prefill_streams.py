@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from mlxq.engine import blas
+from mlxq.engine.settings import whole_number
 
 STREAMS_ENV = "MLXQ_PREFILL_STREAMS"
 # (Two measured; more streams than cores only split the cores' time.)
@@ -32,17 +33,10 @@ def choose_streams(backend: str, env: str = STREAMS_ENV) -> int:
     """Streams one prefill call (or with ``env`` another split, such as the decode
     attention's) may use on ``backend`` (module docstring); raises ``ValueError`` for a
     setting that is not a positive whole number, or more than 1 off the CPU."""
-    raw = os.environ.get(env)
-    if raw is None:
-        return min(CPU_STREAMS, os.cpu_count() or 1) if backend == "cpu" else 1
-    try:
-        count = int(raw)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise ValueError(f"{env}={raw!r}: give a whole number of streams, 1 or more")
+    default = min(CPU_STREAMS, os.cpu_count() or 1) if backend == "cpu" else 1
+    count = whole_number(env, default, 1, " of streams")
     if count > 1 and backend != "cpu":
-        raise ValueError(f"{env}={raw!r}: the work splits over CPU streams only")
+        raise ValueError(f"{env}={count}: the work splits over CPU streams only")
     return count
 
 
