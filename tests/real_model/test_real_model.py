@@ -215,3 +215,23 @@ def test_rows_sorted_often_keep_mlx_lm_s_tokens(smollm, monkeypatch) -> None:  #
     for key, request in jobs.items():
         ref = reference(model, tokenizer, sorted_engine.encode(request), request)
         assert done[key].token_ids == ref["tokens"], key
+
+
+def test_chat_questions_reuse_the_template_s_system_prompt(smollm) -> None:  # noqa: F811
+    """A burst of chat questions, the prefix cache on as a worker has it: SmolLM2's template
+    starts each with the same default system prompt, which one job stores and the others
+    reuse (a block of it), prefilled in groups with questions that begin alike. Every
+    answer is mlx-lm's, and the readers' words are there."""
+    model, tokenizer = smollm
+    asks = [text for text, _ in QUESTIONS] + ["What is the capital of Italy?", "Say hello."]
+    jobs = {f"c{i}": chat(text, max_tokens=32) for i, text in enumerate(asks)}
+    cached = make_engine(model, tokenizer, "smollm", max_batch=8, prefix_cache_bytes=64 << 20)
+    done = run(cached, jobs)
+    stats = cached.stats()
+    assert stats.prefix_hits == len(jobs) - 1 and stats.reused_tokens >= 16 * (len(jobs) - 1)
+    for i, (text, word) in enumerate(QUESTIONS):
+        assert word.lower() in done[f"c{i}"].text.lower(), (text, done[f"c{i}"].text)
+    for key, request in jobs.items():
+        ref = reference(model, tokenizer, cached.encode(request), request)
+        assert done[key].token_ids == ref["tokens"], key
+        assert done[key].text == ref["text"], key
