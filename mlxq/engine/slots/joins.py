@@ -6,15 +6,15 @@ Plain Python (no MLX): the slot engine hands in its waiting list and counts.
   (hysteresis, :class:`JoinPolicy`): at least ``join_group`` waiting, nothing decoding,
   the free slots idled as long as a call's fixed cost is worth, or the oldest has waited
   long enough.
-- :func:`pick_group`: up to ``limit`` waiting jobs in arrival order that share one
-  prefill call: a cached prefix (if any: the blocks their stored prefixes share, a job
-  whose own goes further prefilling the rest, so that prompts sharing a chat template's
-  system prompt but not their questions' first words still join together) and prompts
-  left to prefill within 2x (or 64 tokens) of the first one's, so right-padding wastes
-  little; with a token budget,
-  as many as one prefill call of that many tokens holds; a job of ``n`` samples takes ``n``
-  of the free slots; a job whose group's prefill failed (:attr:`Waiting.alone`) goes in a
-  group of its own, so that a failure one job causes fails that job only.
+- :func:`pick_group`: up to ``limit`` waiting jobs in arrival order that share one prefill
+  call: a cached prefix (if any: the blocks their stored prefixes share, a job whose own
+  goes further prefilling the rest, so that prompts sharing a chat template's system
+  prompt but not their questions' first words still join together) and prompts left to
+  prefill within 2x (or 64 tokens) of the first one's, so right-padding wastes little;
+  with a token budget, as many as one prefill call of that many tokens holds; a job of
+  ``n`` samples takes ``n`` of the free slots; a job whose group's prefill failed
+  (:attr:`Waiting.alone`) goes in a group of its own, so that a failure one job causes
+  fails that job only.
 """
 
 from __future__ import annotations
