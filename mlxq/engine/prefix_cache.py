@@ -80,7 +80,7 @@ class Plan:
 
     @property
     def reused_tokens(self) -> int:
-        return len(self.reused) * self.owner.block_size
+        return self.tokens(len(self.reused))
 
     def tokens(self, blocks: int) -> int:
         """The prompt tokens that ``blocks`` of the cache hold."""

@@ -132,7 +132,6 @@ def pick_group(
     for w in group:
         if w.plan is not None:
             w.plan.cut(len(path))
-    for w in group:
         waiting.remove(w)
     return group
 
