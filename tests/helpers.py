@@ -111,6 +111,15 @@ class Worker:
         return self.log.read_text()
 
 
+def wait_blocked(conn: Any, clients: int = 1, timeout: float = 60) -> None:
+    """Until ``clients`` connections are blocked on the server: idle workers back in their
+    blocking pull (RQ's BLMOVE or BLPOP), whatever the machine's speed."""
+    deadline = time.monotonic() + timeout
+    while sum("b" in c["flags"] for c in conn.client_list()) < clients:
+        assert time.monotonic() < deadline, f"fewer than {clients} worker(s) back in a pull"
+        time.sleep(0.05)
+
+
 def free_port() -> int:
     """A loopback port nothing listens on (right now)."""
     with socket.socket() as s:

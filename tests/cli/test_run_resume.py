@@ -24,6 +24,9 @@ ENV = {k: v for k, v in os.environ.items() if k != "MLXQ_REDIS_URL"}  # an embed
 N = 8
 # Two decoding, one more held: most of the batch is still queued when the run is stopped.
 FEW = ["--max-batch", "2", "--prefill-batch", "1"]
+# Each request's max_tokens: four waves of two, each long beside the 50 ms the tests poll at,
+# so a run is stopped with requests running and queued.
+LONG = 500
 
 
 def _inputs(tmp_path: Path, max_tokens: int) -> Path:
@@ -102,7 +105,7 @@ def _check_resumed(out: Path, first: dict, second: dict, batch_id: str, err: str
     ids=["ctrl-c", "sigterm", "ctrl-c-twice"],
 )
 def test_a_stopped_run_resumes_where_it_stopped(tmp_path, tiny_model, signals):
-    src, out, data = _inputs(tmp_path, 1500), tmp_path / "out.jsonl", tmp_path / "data"
+    src, out, data = _inputs(tmp_path, LONG), tmp_path / "out.jsonl", tmp_path / "data"
     args = [str(src), "--model", tiny_model, "-o", str(out), *FEW]
     args += ["--data-dir", str(data), "--json", "--log-level", "info"]
     proc, batch_id = _start(args, ENV)
@@ -129,7 +132,7 @@ def test_a_stopped_run_resumes_where_it_stopped(tmp_path, tiny_model, signals):
 def test_the_same_command_resumes_from_its_own_folder_then_removes_it(tmp_path, tiny_model):
     """No --data-dir: the run keeps its batch under ~/.mlxq/run until the output is written."""
     env = {**ENV, "HOME": str(tmp_path / "home")}
-    src, out = _inputs(tmp_path, 1000), tmp_path / "answers.jsonl"
+    src, out = _inputs(tmp_path, LONG), tmp_path / "answers.jsonl"
     args = [str(src), "--model", tiny_model, "-o", str(out), *FEW, "--json"]
     proc, batch_id = _start(args, env)
     runs = tmp_path / "home" / ".mlxq" / "run"
@@ -150,7 +153,7 @@ def test_the_same_command_resumes_from_its_own_folder_then_removes_it(tmp_path, 
 
 
 def test_no_resume_starts_anew(tmp_path, tiny_model):
-    src, out, data = _inputs(tmp_path, 1000), tmp_path / "out.jsonl", tmp_path / "data"
+    src, out, data = _inputs(tmp_path, LONG), tmp_path / "out.jsonl", tmp_path / "data"
     args = [str(src), "-o", str(out), *FEW, "--data-dir", str(data), "--json"]
     proc, batch_id = _start([*args, "--model", tiny_model], ENV)
     _wait_done(_server_of(data), batch_id, 1, proc)
@@ -167,7 +170,7 @@ def test_a_killed_run_resumes_with_what_its_worker_held(tmp_path, tiny_model):
     """SIGKILL (an OOM kill): no handler runs, the worker's jobs stay registered to it. The
     rerun takes them back at once (no other worker of its own server can live) and ends
     with every request done once, in order."""
-    src, out, data = _inputs(tmp_path, 1500), tmp_path / "out.jsonl", tmp_path / "data"
+    src, out, data = _inputs(tmp_path, LONG), tmp_path / "out.jsonl", tmp_path / "data"
     args = [str(src), "--model", tiny_model, "-o", str(out), *FEW]
     args += ["--data-dir", str(data), "--json"]
     proc, batch_id = _start(args, ENV)

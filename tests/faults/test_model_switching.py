@@ -21,10 +21,9 @@ from mlxq.broker import batches as broker_batches
 from mlxq.broker import fleet
 from mlxq.broker.rq_store import rq_keys
 from mlxq.wire import Request, Result
-from tests.helpers import ROOT, Worker, free_port, run_mlxq
+from tests.helpers import ROOT, Worker, free_port, run_mlxq, wait_blocked
 
 pytestmark = pytest.mark.slow
-IDLE_S = 1.5  # long enough for an idle worker to be back in its blocking pull
 PROMPT = "The same prompt for every job:"
 SWITCHED = re.compile(r"switched model from (\S+) to (\S+) in [0-9.]+s: .+")
 
@@ -77,7 +76,7 @@ def test_one_worker_serves_two_models_and_switches_between_their_queues(
         assert info.queues == ["alpha", "beta", "default"]  # a submit sees both served
         table = run_mlxq("workers", url=valkey_url)
         assert "alpha (+beta)" in table.stdout, table.stdout
-        time.sleep(IDLE_S)
+        wait_blocked(conn)
 
         # Both models' queues and the shared one at once; beta's only after.
         sizes = {"alpha": 20, "beta": 20, "default": 6}
@@ -95,7 +94,7 @@ def test_one_worker_serves_two_models_and_switches_between_their_queues(
         assert ("alpha", "beta") in switches, log.read_text()
 
         # Idle, then work for the model that is not loaded (or is): served, one switch at most.
-        time.sleep(IDLE_S)
+        wait_blocked(conn)
         loaded = Path(fleet.live_workers(conn)[0].model).name
         other = "beta" if loaded == "alpha" else "alpha"
         again = _each_once(conn, _submit(conn, other, 5), 5)

@@ -23,7 +23,11 @@ from tests.engine.test_distributed import SPLITS, once_each, submit, tp_model
 from tests.helpers import ROOT, Worker, run_mlxq
 
 __all__ = ["tp_model"]  # (the fixture, shared with the tests of a healthy split)
-STALL_S = 12
+STALL_S = 8
+# Each job's max_tokens: enough to be running when a rank is signalled (the signal goes as
+# the first job starts; a job that finished first keeps its one result all the same), and
+# few enough that the batch's rerun elsewhere is short.
+TOKENS = 300
 # Heartbeats that lapse this soon let the frozen rank 0's rescue take its jobs back without
 # the default's 30 s wait (what is tested is the wake-up after, not the wait).
 ABANDON = ("--abandon-after", "5")
@@ -38,8 +42,7 @@ def test_a_killed_rank_puts_the_jobs_back(
     tp_model: str, conn: redis.Redis, valkey_url: str, tp_worker: subprocess.Popen
 ):
     n = 16
-    batch = submit(conn, n, 1500)  # (long enough to be running when the rank dies; if
-    # some finish first, they must keep their one result all the same)
+    batch = submit(conn, n, TOKENS)
     worker = tp_worker  # (started before the jobs, as users run it)
     _signal_mid_batch(conn, batch, worker, 1, signal.SIGKILL)
     started = time.monotonic()
@@ -60,7 +63,7 @@ def test_a_hung_rank_0_makes_the_other_ranks_exit(
     rank 1 gives up after rank 0's stall timeout and two pings and exits non-zero; rank 0,
     let go, finds its peer gone, puts its jobs back and exits; none is lost or run twice."""
     n = 8
-    batch = submit(conn, n, 1500)
+    batch = submit(conn, n, TOKENS)
     worker = tp_worker  # (started before the jobs, as users run it)
     follower = _rank(worker.pid, 1)
     leader = _signal_mid_batch(conn, batch, worker, 0, signal.SIGSTOP)
@@ -87,7 +90,7 @@ def test_a_hung_rank_makes_rank_0_put_the_jobs_back(
     watchdog puts the jobs back and the command exits non-zero, the stopped rank ended
     with it; none is lost or run twice."""
     n = 8
-    batch = submit(conn, n, 1500)
+    batch = submit(conn, n, TOKENS)
     worker = tp_worker  # (started before the jobs, as users run it)
     follower = _signal_mid_batch(conn, batch, worker, 1, signal.SIGSTOP)
     stopped = time.monotonic()
@@ -111,7 +114,7 @@ def test_a_frozen_rank_0_woken_after_a_rescue_finished_its_jobs_runs_none_twice(
     its peer gone and exits (a call that waits on the gone rank, a ping or the cache's
     clearing once the batch emptied, can hang in MLX's ring: the stall watchdog ends it)."""
     n = 16
-    batch = submit(conn, n, 1500)
+    batch = submit(conn, n, TOKENS)
     worker = tp_worker  # (started before the jobs, as users run it)
     follower = _rank(worker.pid, 1)
     leader = _signal_mid_batch(conn, batch, worker, 0, signal.SIGSTOP)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import redis
 
 from mlxq.broker import batches
 from mlxq.broker.rq_store import rq_keys
-from tests.helpers import Worker, run_mlxq
+from tests.helpers import Worker, run_mlxq, wait_blocked
 
 pytestmark = pytest.mark.slow
 NAMES = ("alpha", "beta", "gamma")
@@ -75,7 +74,7 @@ def test_a_three_model_file_through_two_workers_that_serve_all_three(
     try:
         for w in workers:
             w.wait_listening(conn)
-        time.sleep(1.5)  # both idle in their blocking pull before the jobs come
+        wait_blocked(conn, 2)  # both idle in their blocking pull before the jobs come
         src = tmp_path / "mixed.jsonl"
         named = _mixed_file(src, three_models, rounds=6, unnamed=True)
         out = tmp_path / "out.jsonl"

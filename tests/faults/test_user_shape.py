@@ -16,10 +16,9 @@ import redis
 from mlxq.broker import batches
 from mlxq.broker.rq_store import rq_keys
 from mlxq.wire import Request
-from tests.helpers import run_mlxq
+from tests.helpers import run_mlxq, wait_blocked
 
 pytestmark = pytest.mark.slow
-IDLE_S = 1.5  # long enough for an idle worker to be back in its blocking pull
 
 
 def assert_each_once(conn: redis.Redis, batch_id: str, n: int) -> None:
@@ -57,7 +56,7 @@ def test_cli_submit_wait_on_a_long_lived_worker_idle_between_three_batches(
         assert [r["custom_id"] for r in results] == [f"c{i}" for i in range(7)]
         assert all(r["finish_reason"] in ("stop", "length") for r in results)
         assert_each_once(conn, results[0]["batch_id"], 7)
-        time.sleep(IDLE_S)
+        wait_blocked(conn)
     # -o names the format, as for `mlxq run` and `mlxq results`: a CSV table here
     table = tmp_path / "r.csv"
     args = ("submit", str(prompts), "--model", tiny_model, "--wait", "--timeout", "120")
@@ -78,7 +77,7 @@ def test_twenty_wake_ups_lose_nothing(start, conn, queues):
         batch = submit(conn, 3, queues[wake % len(queues)])
         batches.wait_for_batch(conn, batch, timeout=120)
         assert_each_once(conn, batch, 3)
-        time.sleep(IDLE_S)
+        wait_blocked(conn)
 
 
 def test_queue_order_is_honoured(start, conn):
@@ -119,7 +118,7 @@ def test_openai_client_against_mlxq_api_with_a_long_lived_worker(start, conn, va
             assert sorted(json.loads(line)["custom_id"] for line in out) == [
                 f"c{i}" for i in range(5)
             ]
-            time.sleep(IDLE_S)
+            wait_blocked(conn)
     finally:
         server.should_exit = True
         thread.join(10)
