@@ -72,6 +72,16 @@ def drop_batch(conn: Any, batch_id: str, queue: str) -> None:
 BENCH_RESULT_TTL = 600
 
 
+def drain(runner: Any, count: int) -> list[Any]:
+    """Completions from a Runner until ``count`` came; raises if its MLX thread stopped."""
+    done: list[Any] = []
+    while len(done) < count:
+        done += runner.completions(timeout=1.0)
+        if not runner.alive:
+            raise RuntimeError("the MLX thread stopped (logged above)")
+    return done
+
+
 def work_burst(worker: Any) -> tuple[float, float]:
     """Run an RQ worker in burst mode on this (the main) thread.
 

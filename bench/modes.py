@@ -19,6 +19,7 @@ from common import (
     BENCH_RESULT_TTL,
     Stopwatch,
     bench_queue,
+    drain,
     drop_batch,
     rate,
     work_burst,
@@ -278,14 +279,10 @@ def run_mlxq_direct(model: Any, tokenizer: Any, name: str, wl: Workload, profile
         Work(EngineJob(f"r{i}", Request(prompt=p, max_tokens=m)), list(p))
         for i, (p, m) in enumerate(zip(wl.prompts, wl.max_tokens, strict=True))
     ]
-    done: list[Any] = []
     try:
         idle_before, clock = runner.idle_seconds, Stopwatch()
         runner.submit(works)
-        while len(done) < len(works):
-            done += runner.completions(timeout=1.0)
-            if not runner.alive:
-                raise RuntimeError("the MLX thread stopped (logged above)")
+        done = drain(runner, len(works))
         wall = clock.stop()
         idle_s = runner.idle_seconds - idle_before
     finally:

@@ -23,6 +23,7 @@ from common import (
     BENCH_RESULT_TTL,
     Stopwatch,
     bench_queue,
+    drain,
     drop_batch,
     fmt_num,
     fmt_ratio,
@@ -210,11 +211,7 @@ def run_direct(args: argparse.Namespace) -> dict[str, Any]:
         for i in range(args.jobs):
             request = Request(prompt=[STUB_TOKEN] * 8, max_tokens=args.gen_tokens)
             runner.submit([Work(EngineJob(f"j{i}", request), engine.encode(request))])
-        done = 0
-        while done < args.jobs:
-            done += len(runner.completions(timeout=1.0))
-            if not runner.alive:
-                raise RuntimeError("the runner thread died")
+        done = len(drain(runner, args.jobs))
         wall = clock.stop()
     finally:
         runner.stop()
