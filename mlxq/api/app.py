@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 import redis
 
-from mlxq.api import batches, store
+from mlxq.api import batch_create, batches, store
 from mlxq.api.auth import TENANT, AuthMiddleware, KeyChecker, Tenant, owner_of
 from mlxq.api.errors import ApiError, bad_request, decode_body
 from mlxq.api.models import get_model, list_models
@@ -170,7 +170,7 @@ def _id(request: Request) -> str:
 async def create_batch(request: Request) -> Response:
     body = decode_body(_create_decoder, await _small_body(request))
     state = await run_in_threadpool(
-        batches.create_batch,
+        batch_create.create_batch,
         _conn(request),
         tenant=_tenant(request),
         input_file_id=body.input_file_id,

@@ -23,7 +23,8 @@ from browser import CHROMIUM, FLAGS
 from helpers import ROOT, free_port, run_mlxq, wait_for_port
 from test_fleet import make_info
 
-from mlxq.api.dashboard_state import STALL_AFTER_S, Dashboard
+from mlxq.api.dashboard_rows import STALL_AFTER_S
+from mlxq.api.dashboard_state import Dashboard
 from mlxq.broker import batches, fleet, keys
 from mlxq.wire import Request
 

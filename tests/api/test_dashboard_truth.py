@@ -27,7 +27,8 @@ from test_fleet import make_info
 
 from mlxq.api import store
 from mlxq.api.dashboard_history import RateHistory
-from mlxq.api.dashboard_state import Dashboard, worker_row
+from mlxq.api.dashboard_rows import worker_row
+from mlxq.api.dashboard_state import Dashboard
 from mlxq.broker import batches, fleet, keys
 from mlxq.engine.hardware import DeviceFacts
 from mlxq.engine.scheduler import Scheduler

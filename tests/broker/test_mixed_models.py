@@ -96,7 +96,7 @@ def test_lines_for_a_model_nobody_serves_are_named_or_refused(conn, valkey_url, 
 
 
 def test_the_dashboard_rows_a_mixed_batch_with_each_models_counts(conn):
-    from mlxq.api.dashboard_state import batch_row
+    from mlxq.api.dashboard_rows import batch_row
 
     reqs = [Request(prompt=f"p{i}", model="Beta" if i % 2 else None) for i in range(3)]
     info = batches.submit(conn, reqs, queue="alpha", model="org/alpha")
