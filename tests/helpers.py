@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -111,13 +112,25 @@ class Worker:
         return self.log.read_text()
 
 
+def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> float:
+    """Until ``pred()`` holds (raises ``AssertionError`` naming ``what`` after ``timeout``
+    seconds); the seconds it took."""
+    start = time.monotonic()
+    while not pred():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
 def wait_blocked(conn: Any, clients: int = 1, timeout: float = 60) -> None:
     """Until ``clients`` connections are blocked on the server: idle workers back in their
     blocking pull (RQ's BLMOVE or BLPOP), whatever the machine's speed."""
-    deadline = time.monotonic() + timeout
-    while sum("b" in c["flags"] for c in conn.client_list()) < clients:
-        assert time.monotonic() < deadline, f"fewer than {clients} worker(s) back in a pull"
-        time.sleep(0.05)
+
+    def blocked() -> bool:
+        return sum("b" in c["flags"] for c in conn.client_list()) >= clients
+
+    wait_until(blocked, timeout, f"{clients} worker(s) back in a blocking pull")
 
 
 def free_port() -> int:

@@ -18,6 +18,7 @@ from mlxq.broker import batches
 from mlxq.broker.rq_store import pull, rq_keys
 from mlxq.server import make_server
 from mlxq.wire import Request
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,15 +57,6 @@ def submit(conn: redis.Redis, n: int, max_tokens: int) -> str:
         Request(prompt=f"Story {i}:", max_tokens=max_tokens, custom_id=f"r{i}") for i in range(n)
     ]
     return batches.submit(conn, reqs, queue="faults").batch_id
-
-
-def wait_until(pred, timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not pred():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
-    return time.monotonic() - start
 
 
 def assert_books_balance(conn: redis.Redis, batch_id: str, n: int) -> list:

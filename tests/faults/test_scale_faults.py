@@ -14,8 +14,8 @@ import pytest
 from mlxq.broker import batches, fleet, keys
 from mlxq.broker.rq_store import reads
 from mlxq.server import make_server
-from tests.faults.test_faults import ROOT, assert_books_balance, start_worker, submit, wait_until
-from tests.helpers import run_mlxq, start_submit, waiting
+from tests.faults.test_faults import ROOT, assert_books_balance, start_worker, submit
+from tests.helpers import run_mlxq, start_submit, wait_until, waiting
 
 pytestmark = pytest.mark.slow
 N = 60_000  # big enough that a submit is killed long before it ends (~10k jobs/s)
