@@ -15,7 +15,9 @@ batch (at least 90% of the rows decoding), that over the rows (µs per row), the
 wall ms of those steps where nothing joined (the steady step, host and device: on CUDA
 the device's time where the host keeps ahead), and the mean host ms over all steps; a
 joining group's prefill is left out (its cost grows with the group, not with the rows
-decoding). ``--mix F`` gives a fraction F of the jobs stop strings, F
+decoding); and the engine's copies of its slot cache (their count and seconds: each a
+new layout as rows join and leave) and its compiled forward's traces (one per new cache
+shape). ``--mix F`` gives a fraction F of the jobs stop strings, F
 streaming, F logprobs; ``--profile N`` prints cProfile's top N functions (by their own
 time) of the largest size's run.
 
@@ -77,7 +79,7 @@ def requests(
     return out
 
 
-def run(model: Any, tokenizer: Any, rows: int, args: argparse.Namespace) -> dict[str, float]:
+def run(model: Any, tokenizer: Any, rows: int, args: argparse.Namespace) -> dict[str, Any]:
     """One engine of ``rows`` rows through its jobs: host ms per step (module docstring)."""
     from mlxq.engine.sampling import EngineJob
     from mlxq.engine.slots.engine import SlotEngine
@@ -116,7 +118,10 @@ def run(model: Any, tokenizer: Any, rows: int, args: argparse.Namespace) -> dict
                 walls.append(wall)
     assert finished == len(jobs), f"{finished} of {len(jobs)} jobs finished"
     median = statistics.median(full) if full else float("nan")
+    stats = engine.stats()
     return {
+        "copies": f"{stats.cache_copies} ({stats.cache_copy_seconds:.2f})",
+        "traces": stats.forward_traces,
         "steps": len(every),
         "full": len(full),
         "ms": median * 1e3,
@@ -203,7 +208,7 @@ def main() -> None:
     shape = f"uniform {args.uniform}" if args.uniform else f"mix {args.mix}"
     print(f"host time per decode step ({args.preset}, {mx.default_device()}; {env}, {shape})")
     headers = ["rows", "steps", "full steps", "host ms/step", "µs/row", "wall ms/step"]
-    headers += ["mean ms (all)", "wall s"]
+    headers += ["mean ms (all)", "wall s", "cache copies (s)", "traces"]
     print(
         table(
             headers,
@@ -217,6 +222,8 @@ def main() -> None:
                     fmt_num(f["wall_ms"], 2),
                     fmt_num(f["mean_ms"], 2),
                     fmt_num(f["wall"], 1),
+                    f["copies"],
+                    str(f["traces"]),
                 ]
                 for rows, f in zip(sizes, figures, strict=True)
             ],

@@ -163,6 +163,9 @@ WORK_STATS = (
     "decode_seconds",
     "decode_steps",
     "launch_seconds",
+    "cache_copies",
+    "cache_copy_seconds",
+    "forward_traces",
 )
 PREFIX_STATS = ("prefix_hits", "reused_tokens", "stored_tokens", "prefix_evictions")
 

@@ -69,7 +69,10 @@ def report(header: str, results: list[ModeResult], wl: Workload) -> str:
                     f"steps {e['decode_seconds']:.2f} s (building and launching them on the "
                     f"host {e['launch_seconds']:.2f} s), the rest outside the engine "
                     f"{e['worker_s'] - e['prefill_s'] - e['decode_seconds']:.2f} s, of "
-                    f"which the MLX thread idle with no job {e['idle_s']:.2f} s"
+                    f"which the MLX thread idle with no job {e['idle_s']:.2f} s; the slot "
+                    f"cache laid out anew {e['cache_copies']} times "
+                    f"({e['cache_copy_seconds']:.2f} s), the compiled forward traced "
+                    f"{e['forward_traces']} times"
                 )
     if (off := by_mode.get("mlxq")) and (on := by_mode.get("mlxq+prefix")):
         e = on.extra

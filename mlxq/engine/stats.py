@@ -27,7 +27,11 @@ class EngineStats:
     handing them to the hooks), and
     ``sample_launch_seconds``, building and launching their sampling once the masks are
     there (the mask wait included): both within ``decode_seconds``, what such a step costs
-    beyond a free one.
+    beyond a free one. ``cache_copies``: times the slot engine laid its cache out anew
+    (grown, shrunk or sorted: a copy of every layer each), ``cache_copy_seconds`` the host's
+    time in them (each layer evaluated in turn, so a copy also waits for a step in flight);
+    ``forward_traces``: times its compiled decode forward traced the model (once per new
+    cache shape, a graph built in Python).
     """
 
     prompt_tokens: int = 0
@@ -43,6 +47,9 @@ class EngineStats:
     token_wait_seconds: float = 0.0
     sample_launch_seconds: float = 0.0
     sorts: int = 0  # times the slot engine moved its rows into length order
+    cache_copies: int = 0
+    cache_copy_seconds: float = 0.0
+    forward_traces: int = 0
     prefix_hits: int = 0
     reused_tokens: int = 0
     stored_tokens: int = 0

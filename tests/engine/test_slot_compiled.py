@@ -148,3 +148,35 @@ def test_an_error_outside_the_trace_fails_the_batch_and_keeps_the_compiled_forwa
     done = run_all(engine, {"2": REQUESTS[2]})
     want = reference(model, tokenizer, engine.encode(REQUESTS[2]), REQUESTS[2])["tokens"]
     assert done["2"].token_ids == want
+
+
+def test_each_cache_shape_is_traced_once_and_the_copies_are_counted(
+    tiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``forward_traces`` counts the compiled forward's traces: one per cache shape it
+    ran at, and none for a shape it ran at before, so a second batch like the first (the
+    cache released between them) traces nothing, as a long-lived worker traces a shape
+    once. ``cache_copies`` counts the cache's new layouts, with their seconds."""
+    monkeypatch.setenv(slot_choices.COMPILE_ENV, "1")
+    monkeypatch.setattr(slot_batch, "SlotCache", _GrowingCache)
+    monkeypatch.setattr(_GrowingCache, "sizes", [])
+    shapes: set[tuple[int, int]] = set()
+    call = CompiledForward.__call__
+
+    def recording(self: CompiledForward, tokens: mx.array, positions: mx.array) -> mx.array:
+        shapes.add((self._cache.rows, self._cache.capacity))
+        return call(self, tokens, positions)
+
+    monkeypatch.setattr(CompiledForward, "__call__", recording)
+    model, tokenizer = tiny
+    engine = SlotEngine.from_loaded(model, tokenizer, "tiny", max_batch=4, prefill_batch=2)
+    jobs = dict(enumerate(REQUESTS))
+    first_done = run_all(engine, {f"a{i}": r for i, r in jobs.items()}, 2)
+    first = engine.stats()
+    assert first.forward_traces == len(shapes) >= 3
+    assert first.cache_copies >= 2 and first.cache_copy_seconds > 0
+    assert engine.batch.cache.rows == 0  # (released: the next batch allocates anew)
+    again_done = run_all(engine, {f"b{i}": r for i, r in jobs.items()}, 2)
+    again = engine.stats().since(first)
+    assert again.forward_traces == 0 and again.cache_copies == first.cache_copies
+    assert [c.token_ids for c in again_done.values()] == [c.token_ids for c in first_done.values()]

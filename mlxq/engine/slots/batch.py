@@ -93,12 +93,20 @@ class SlotBatch:
             self.max_batch,
             bits=self.choices.kv_bits,
             group_size=self.choices.kv_group,
+            on_copy=self._copied,
         )
         self.forward = (
-            CompiledForward(self.model, self.cache, self.choices.kernel)
+            CompiledForward(self.model, self.cache, self.choices.kernel, self._traced)
             if self.choices.compiled
             else None
         )
+
+    def _copied(self, seconds: float) -> None:
+        self.stats.cache_copies += 1
+        self.stats.cache_copy_seconds += seconds
+
+    def _traced(self) -> None:
+        self.stats.forward_traces += 1
 
     def clear(self) -> None:
         """Drop every job and the cache."""

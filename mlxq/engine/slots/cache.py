@@ -34,6 +34,7 @@ import ctypes.util
 import functools
 import heapq
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -104,6 +105,7 @@ class SlotCache:
         step: int | None = None,
         bits: int | None = None,
         group_size: int = 64,
+        on_copy: Callable[[float], None] | None = None,
     ) -> None:
         map_large_buffers()
         if step is None:
@@ -118,6 +120,7 @@ class SlotCache:
         self.lengths = [0] * slots
         self._free = list(range(slots))  # a heap: the lowest free slot first
         self._wanted = (0, 0)  # (rows, capacity) asked for before the arrays exist
+        self.on_copy = on_copy  # told the seconds of each copy of the arrays (a new layout)
 
     @property
     def rows(self) -> int:
@@ -181,19 +184,26 @@ class SlotCache:
         if not self.keys:
             self._wanted = (rows, capacity)
         else:
-            idx, keep = mx.array(list(kept), mx.int32), min(self.capacity, capacity)
-
-            def laid(a: mx.array) -> mx.array:
-                return _laid(a, idx, keep, rows, capacity)
-
-            for layer in range(self.num_layers):
-                for stored in (self.keys, self.values):
-                    stored[layer] = _each(stored[layer], laid)
-                mx.eval(self.keys[layer], self.values[layer])
-            self.capacity = capacity
+            self._copy(kept, rows, capacity)
         if order is not None:
             self.lengths[:] = [self.lengths[s] for s in order] + [0] * (self.slots - len(order))
             self._free = list(range(len(order), self.slots))  # sorted: a valid heap
+
+    def _copy(self, kept: list[int], rows: int, capacity: int) -> None:
+        """Lay the arrays out anew (see :meth:`resize`), layer by layer."""
+        tic = time.perf_counter()
+        idx, keep = mx.array(kept, mx.int32), min(self.capacity, capacity)
+
+        def laid(a: mx.array) -> mx.array:
+            return _laid(a, idx, keep, rows, capacity)
+
+        for layer in range(self.num_layers):
+            for stored in (self.keys, self.values):
+                stored[layer] = _each(stored[layer], laid)
+            mx.eval(self.keys[layer], self.values[layer])
+        self.capacity = capacity
+        if self.on_copy is not None:
+            self.on_copy(time.perf_counter() - tic)
 
     def release(self) -> None:
         """Drop the arrays (no row is live): the next write allocates anew, as it needs."""
