@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Any
 
-import mlx.core as mx
 import pytest
 
 from mlxq.engine.eval_order import CPU_WIDTH, WIDTH_ENV, widen
@@ -22,15 +22,18 @@ from mlxq.engine.hardware import backend_name
 
 BRANCHES, MIB = 64, 1 << 20
 
+# The branches, as source: run in a fresh process and in this one.
 PROBE = """
 import mlx.core as mx
-base = mx.zeros((1 << 18,), stream=mx.cpu)
-mx.eval(base)
-mx.reset_peak_memory()
-with mx.stream(mx.cpu):
-    out = mx.stack([mx.exp(base + i).sum() for i in range({branches})]).sum()
-mx.eval(out)
-print(mx.get_peak_memory())
+
+def peak_of(branches):
+    base = mx.zeros((1 << 18,), stream=mx.cpu)
+    mx.eval(base)
+    mx.reset_peak_memory()
+    with mx.stream(mx.cpu):
+        out = mx.stack([mx.exp(base + i).sum() for i in range(branches)]).sum()
+    mx.eval(out)
+    return mx.get_peak_memory()
 """
 
 
@@ -42,7 +45,7 @@ def peak_of_branches(width: str | None) -> int:
         env[WIDTH_ENV] = width
     setup = "from mlxq.engine.eval_order import widen\nwiden('cpu')\n"
     out = subprocess.run(
-        [sys.executable, "-c", setup + PROBE.format(branches=BRANCHES)],
+        [sys.executable, "-c", setup + PROBE + f"print(peak_of({BRANCHES}))"],
         env=env,
         capture_output=True,
         text=True,
@@ -62,11 +65,9 @@ def test_the_cpu_is_widened_and_mlx_honours_it() -> None:
 @pytest.mark.skipif(backend_name() != "cpu", reason="the CPU's evaluation order")
 def test_the_tests_evaluate_in_the_worker_s_order() -> None:
     """This process (conftest widens it first, as `mlxq worker` does) lays out wide."""
-    base = mx.zeros((1 << 18,))
-    mx.eval(base)
-    mx.reset_peak_memory()
-    mx.eval(mx.stack([mx.exp(base + i).sum() for i in range(BRANCHES)]).sum())
-    assert mx.get_peak_memory() >= BRANCHES * MIB
+    probe: dict[str, Any] = {}
+    exec(PROBE, probe)
+    assert probe["peak_of"](BRANCHES) >= BRANCHES * MIB
 
 
 def test_width_settings(monkeypatch) -> None:
