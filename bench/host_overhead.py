@@ -79,7 +79,7 @@ def requests(
     return out
 
 
-def run(model: Any, tokenizer: Any, rows: int, args: argparse.Namespace) -> dict[str, Any]:
+def run(model: Any, tokenizer: Any, rows: int, args: argparse.Namespace) -> dict[str, float]:
     """One engine of ``rows`` rows through its jobs: host ms per step (module docstring)."""
     from mlxq.engine.sampling import EngineJob
     from mlxq.engine.slots.engine import SlotEngine
@@ -120,7 +120,8 @@ def run(model: Any, tokenizer: Any, rows: int, args: argparse.Namespace) -> dict
     median = statistics.median(full) if full else float("nan")
     stats = engine.stats()
     return {
-        "copies": f"{stats.cache_copies} ({stats.cache_copy_seconds:.2f})",
+        "copies": stats.cache_copies,
+        "copy_s": stats.cache_copy_seconds,
         "traces": stats.forward_traces,
         "steps": len(every),
         "full": len(full),
@@ -222,8 +223,8 @@ def main() -> None:
                     fmt_num(f["wall_ms"], 2),
                     fmt_num(f["mean_ms"], 2),
                     fmt_num(f["wall"], 1),
-                    f["copies"],
-                    str(f["traces"]),
+                    f"{f['copies']:.0f} ({fmt_num(f['copy_s'], 2)})",
+                    f"{f['traces']:.0f}",
                 ]
                 for rows, f in zip(sizes, figures, strict=True)
             ],
